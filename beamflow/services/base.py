@@ -1,0 +1,219 @@
+"""The contract every local service follows, and the process plumbing they share.
+
+A service is a real server process (Kafka, PostgreSQL, Flink, the schema registry) that the project starts itself on
+127.0.0.1. Its state (pid, ports, data folder) is written to ``<data_dir>/<name>/state.json`` so that one process can
+start it (``beamflow services up``) and another can use or stop it (tests, the demo, benchmarks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "ServiceError",
+    "ServiceState",
+    "LocalService",
+    "free_port",
+    "wait_until",
+    "wait_for_port",
+    "start_process",
+    "stop_process_group",
+    "pid_alive",
+]
+
+
+class ServiceError(RuntimeError):
+    """A service could not be installed, started, reached or stopped; the message says which and why."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_until(check: Callable[[], bool], timeout: float, what: str, interval: float = 0.25) -> None:
+    """Polls ``check`` until it returns True; raises ServiceError naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    last_error: BaseException | None = None
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except Exception as exc:  # a probe failing is the normal "not yet"
+            last_error = exc
+        time.sleep(interval)
+    raise ServiceError(f"timed out after {timeout:.0f}s waiting for {what}" + (f": {last_error}" if last_error else ""))
+
+
+def port_open(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex((host, port)) == 0
+
+
+def wait_for_port(port: int, timeout: float, what: str) -> None:
+    wait_until(lambda: port_open(port), timeout, f"{what} on 127.0.0.1:{port}")
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie child still "exists"; treat it as dead.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
+
+
+def start_process(
+    argv: Sequence[str],
+    log_path: Path,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    user: str | None = None,
+) -> subprocess.Popen[bytes]:
+    """Starts a server in its own process group (so stopping it takes its children too), logging to a file."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = open(log_path, "ab")  # noqa: SIM115 - handed to the child, closed with it
+    full_env = dict(os.environ)
+    if env:
+        full_env.update(env)
+    return subprocess.Popen(
+        list(argv),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=full_env,
+        cwd=str(cwd) if cwd else None,
+        start_new_session=True,
+        user=user,
+    )
+
+
+def stop_process_group(pid: int, timeout: float = 30.0) -> None:
+    """SIGTERM to the whole process group, then SIGKILL whatever is left after ``timeout`` seconds."""
+    if not pid_alive(pid):
+        return
+    try:
+        pgid = os.getpgid(pid)
+    except ProcessLookupError:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and pid_alive(pid):
+        time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(pid, os.WNOHANG)
+
+
+@dataclass
+class ServiceState:
+    """What a running service left behind for other processes: its pids, ports and anything else they need."""
+
+    name: str
+    pids: list[int] = field(default_factory=list)
+    ports: dict[str, int] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def alive(self) -> bool:
+        return bool(self.pids) and all(pid_alive(p) for p in self.pids)
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.__dict__, indent=2))
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> ServiceState | None:
+        try:
+            return cls(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError):
+            return None
+
+
+class LocalService(ABC):
+    """One real server on 127.0.0.1, with its data under ``data_dir/<name>``.
+
+    Subclasses implement ``install`` (fetch what is missing into the cache, idempotent), ``_start`` (launch, wait until
+    it answers, return its state) and ``ready`` (a real protocol-level check). Stopping is shared: the process groups
+    recorded in the state are terminated.
+    """
+
+    name: str = "service"
+
+    def __init__(self, data_dir: Path, cache_dir: Path) -> None:
+        self.data_dir = data_dir
+        self.cache_dir = cache_dir
+        self.home = data_dir / self.name
+
+    @property
+    def state_path(self) -> Path:
+        return self.home / "state.json"
+
+    def state(self) -> ServiceState | None:
+        return ServiceState.load(self.state_path)
+
+    @abstractmethod
+    def install(self) -> None: ...
+
+    @abstractmethod
+    def _start(self) -> ServiceState: ...
+
+    @abstractmethod
+    def ready(self, state: ServiceState) -> bool: ...
+
+    def up(self) -> ServiceState:
+        """Starts the service unless a healthy instance already runs; returns its state."""
+        current = self.state()
+        if current and current.alive():
+            with contextlib.suppress(Exception):
+                if self.ready(current):
+                    return current
+            self.down()
+        self.install()
+        self.home.mkdir(parents=True, exist_ok=True)
+        state = self._start()
+        state.save(self.state_path)
+        return state
+
+    def down(self) -> None:
+        current = self.state()
+        if current is None:
+            return
+        for pid in reversed(current.pids):
+            stop_process_group(pid)
+        current.pids = []
+        current.save(self.state_path)
+
+    def status(self) -> dict[str, Any]:
+        current = self.state()
+        if current is None:
+            return {"name": self.name, "running": False}
+        running = current.alive()
+        healthy = False
+        if running:
+            with contextlib.suppress(Exception):
+                healthy = self.ready(current)
+        return {"name": self.name, "running": running, "healthy": healthy, "ports": current.ports, **current.info}

@@ -1,0 +1,59 @@
+"""Session fixtures: one fresh set of real services for the whole test run, stopped at its end.
+
+Each service fixture returns the service's ``ServiceState`` (ports, connection info). Services start on first use, so a
+run that selects only unit tests starts nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from beamflow.services import ServiceSet, ServiceState
+from beamflow.services.paths import cache_dir, project_root
+
+pytest_plugins: list[str] = []
+
+
+@pytest.fixture(scope="session")
+def service_set() -> Iterator[ServiceSet]:
+    data = Path(os.environ.get("BEAMFLOW_TEST_DATA", project_root() / ".data" / "test"))
+    shutil.rmtree(data, ignore_errors=True)
+    services = ServiceSet(data=data, cache=cache_dir())
+    started: list[str] = []
+    services.started = started  # type: ignore[attr-defined]
+    yield services
+    # Stop in reverse start order; no orphan JVMs or postgres after the run.
+    services.down(list(reversed(started)) or None)
+
+
+def _up(service_set: ServiceSet, name: str) -> ServiceState:
+    state = service_set.get(name).up()
+    started: list[str] = service_set.started  # type: ignore[attr-defined]
+    if name not in started:
+        started.append(name)
+    return state
+
+
+@pytest.fixture(scope="session")
+def kafka(service_set: ServiceSet) -> ServiceState:
+    return _up(service_set, "kafka")
+
+
+@pytest.fixture(scope="session")
+def postgres(service_set: ServiceSet) -> ServiceState:
+    return _up(service_set, "postgres")
+
+
+@pytest.fixture(scope="session")
+def registry(service_set: ServiceSet) -> ServiceState:
+    return _up(service_set, "registry")
+
+
+@pytest.fixture(scope="session")
+def flink(service_set: ServiceSet) -> ServiceState:
+    return _up(service_set, "flink")
