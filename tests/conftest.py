@@ -28,7 +28,8 @@ def service_set() -> Iterator[ServiceSet]:
     services.started = started  # type: ignore[attr-defined]
     yield services
     # Stop in reverse start order; no orphan JVMs or postgres after the run.
-    services.down(list(reversed(started)) or None)
+    if started:
+        services.down(started)
 
 
 def _up(service_set: ServiceSet, name: str) -> ServiceState:

@@ -1,0 +1,5 @@
+import sys
+
+from beamflow.cli import main
+
+sys.exit(main())
