@@ -30,6 +30,7 @@ def maven_classpath(name: str, coordinates: Sequence[str], cache_dir: Path) -> P
 
     Returns the folder holding the jars (use it as ``folder/*`` on a Java classpath).
     """
+    cache_dir = cache_dir.resolve()
     target = cache_dir / "jars" / name
     stamp = target / ".complete"
     if stamp.exists():

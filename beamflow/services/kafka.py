@@ -1,0 +1,166 @@
+"""Apache Kafka 4.x, single-node KRaft, from Maven Central jars.
+
+Done the way Kafka's own ``bin/kafka-storage.sh`` and ``bin/kafka-server-start.sh`` do it, without the tarball (which
+this machine cannot download): resolve ``org.apache.kafka:kafka_2.13`` with its runtime dependencies into the cache,
+format the log directory once with ``kafka.tools.StorageTool``, start ``kafka.Kafka`` as a combined broker+controller
+listening on 127.0.0.1. The log directory survives ``down``/``up`` (the broker keeps its data across restarts).
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+from beamflow.services.base import (
+    LocalService,
+    ServiceError,
+    ServiceState,
+    free_port,
+    start_process,
+    wait_for_port,
+    wait_until,
+)
+from beamflow.services.fetch import maven_classpath
+
+__all__ = ["KAFKA_VERSION", "KafkaService"]
+
+KAFKA_VERSION = "4.4.0"
+_COORDINATES = [
+    f"org.apache.kafka:kafka_2.13:{KAFKA_VERSION}",
+    # Kafka 4 logs through SLF4J 2 + Log4j 2; pin the API so Maven's nearest-wins does not pick SLF4J 1.7.
+    "org.slf4j:slf4j-api:2.0.17",
+    "org.apache.logging.log4j:log4j-slf4j2-impl:2.25.5",
+]
+
+_LOG4J2 = """status = warn
+appender.file.type = File
+appender.file.name = file
+appender.file.fileName = {log}
+appender.file.layout.type = PatternLayout
+appender.file.layout.pattern = [%d] %p %m (%c)%n
+rootLogger.level = INFO
+rootLogger.appenderRef.file.ref = file
+logger.kafka.name = kafka
+logger.kafka.level = INFO
+logger.state.name = state.change.logger
+logger.state.level = WARN
+"""
+
+
+class KafkaService(LocalService):
+    """A single-node KRaft broker on 127.0.0.1 with data under ``<data>/kafka``.
+
+    ``state.ports``: ``broker`` (client listener) and ``controller``; ``state.info["bootstrap"]`` is the bootstrap
+    address clients use.
+    """
+
+    name = "kafka"
+    default_partitions = 4
+
+    @property
+    def classpath(self) -> str:
+        return str(self.cache_dir / "jars" / f"kafka-{KAFKA_VERSION}") + "/*"
+
+    def install(self) -> None:
+        maven_classpath(f"kafka-{KAFKA_VERSION}", _COORDINATES, self.cache_dir)
+
+    def _java(self, main: str, *args: str, heap: str = "-Xmx512m") -> list[str]:
+        log4j = self.home / "log4j2.properties"
+        return [
+            "java",
+            heap,
+            "-XX:+UseG1GC",
+            f"-Dlog4j2.configurationFile={log4j}",
+            "-cp",
+            self.classpath,
+            main,
+            *args,
+        ]
+
+    def _write_config(self, broker_port: int, controller_port: int) -> Path:
+        logs = self.home / "logs"
+        props = self.home / "server.properties"
+        props.write_text(
+            "\n".join(
+                [
+                    "process.roles=broker,controller",
+                    "node.id=1",
+                    f"controller.quorum.bootstrap.servers=127.0.0.1:{controller_port}",
+                    f"listeners=PLAINTEXT://127.0.0.1:{broker_port},CONTROLLER://127.0.0.1:{controller_port}",
+                    f"advertised.listeners=PLAINTEXT://127.0.0.1:{broker_port}",
+                    "controller.listener.names=CONTROLLER",
+                    "listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
+                    "inter.broker.listener.name=PLAINTEXT",
+                    f"log.dirs={logs}",
+                    f"num.partitions={self.default_partitions}",
+                    "offsets.topic.replication.factor=1",
+                    "offsets.topic.num.partitions=4",
+                    "transaction.state.log.replication.factor=1",
+                    "transaction.state.log.min.isr=1",
+                    "share.coordinator.state.topic.replication.factor=1",
+                    "share.coordinator.state.topic.min.isr=1",
+                    "group.initial.rebalance.delay.ms=0",
+                    # Large values are part of the contract tests (near the broker's maximum size).
+                    "message.max.bytes=2097152",
+                    "replica.fetch.max.bytes=2097152",
+                    "auto.create.topics.enable=false",
+                    "",
+                ]
+            )
+        )
+        (self.home / "log4j2.properties").write_text(_LOG4J2.format(log=self.home / "server.log"))
+        return props
+
+    def _start(self) -> ServiceState:
+        previous = self.state()
+        # Keep the ports of an earlier run so a restarted broker is the same broker to its clients.
+        broker_port = previous.ports.get("broker") if previous and previous.ports else None
+        controller_port = previous.ports.get("controller") if previous and previous.ports else None
+        broker_port = broker_port or free_port()
+        controller_port = controller_port or free_port()
+        props = self._write_config(broker_port, controller_port)
+        if not (self.home / "logs" / "meta.properties").exists():
+            cluster_id = subprocess.run(
+                self._java("kafka.tools.StorageTool", "random-uuid", heap="-Xmx128m"),
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.split()[-1]
+            result = subprocess.run(
+                self._java(
+                    "kafka.tools.StorageTool",
+                    "format",
+                    "--standalone",
+                    "-t",
+                    cluster_id,
+                    "-c",
+                    str(props),
+                    heap="-Xmx128m",
+                ),
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            if result.returncode != 0:
+                raise ServiceError(f"Kafka StorageTool format failed: {result.stdout}{result.stderr}")
+        proc = start_process(self._java("kafka.Kafka", str(props)), self.home / "stdout.log")
+        state = ServiceState(
+            name=self.name,
+            pids=[proc.pid],
+            ports={"broker": broker_port, "controller": controller_port},
+            info={"bootstrap": f"127.0.0.1:{broker_port}", "version": KAFKA_VERSION},
+        )
+        try:
+            wait_for_port(broker_port, 90, "Kafka broker")
+            wait_until(lambda: self.ready(state), 60, "Kafka metadata")
+        except ServiceError:
+            log_tail = (self.home / "stdout.log").read_text(errors="replace")[-3000:]
+            raise ServiceError(f"Kafka did not start; log tail:\n{log_tail}") from None
+        return state
+
+    def ready(self, state: ServiceState) -> bool:
+        from confluent_kafka.admin import AdminClient
+
+        admin = AdminClient({"bootstrap.servers": state.info["bootstrap"]})
+        metadata = admin.list_topics(timeout=5)
+        return bool(metadata.brokers)
