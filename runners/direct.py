@@ -16,7 +16,7 @@ from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions,
 
 __all__ = ["LOCAL_RUNNER", "local_options"]
 
-LOCAL_RUNNER = "apache_beam.runners.portability.fn_api_runner.fn_runner.FnApiRunner"
+LOCAL_RUNNER = "apache_beam.runners.portability.fn_api_runner.FnApiRunner"
 
 
 def local_options(argv: Sequence[str] = (), streaming: bool = False, **overrides: object) -> PipelineOptions:
@@ -26,7 +26,7 @@ def local_options(argv: Sequence[str] = (), streaming: bool = False, **overrides
     """
     args = [a for a in argv if not a.startswith("--runner")]
     options = PipelineOptions(args, **overrides)
-    options.view_as(StandardOptions).runner = "FnApiRunner"
+    options.view_as(StandardOptions).runner = LOCAL_RUNNER
     options.view_as(StandardOptions).streaming = streaming
     direct = options.view_as(DirectOptions)
     direct.direct_num_workers = 1

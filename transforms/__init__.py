@@ -1,0 +1,1 @@
+"""beamflow's public PTransforms, one per module."""

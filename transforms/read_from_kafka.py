@@ -1,0 +1,437 @@
+"""Read Kafka with a splittable DoFn, committing offsets only after the runner made the output durable.
+
+Guarantee: **at-least-once delivery into the pipeline, exactly-once in effect with the runner's checkpoints**. Each
+topic-partition is one restriction whose start offset is resolved once, when the restriction is created (the group's
+committed offset, else the ``start`` policy); from then on the restriction in the runner's checkpoint is the truth for
+where to resume, not Kafka's group offset. Offsets are committed to the group only from the bundle finalizer (after the
+runner has the bundle's output; on Flink, after the next completed checkpoint), only forward, never by auto-commit: a
+failure before finalization leaves them where they were, and a rerun resumes from them. Pair it with the idempotent or
+exactly-once sinks so replays after a failure leave no duplicates.
+
+Needs: a reachable broker; ``assign``/``seek`` only, so no consumer-group membership and no rebalances.
+
+Example::
+
+    import apache_beam as beam
+    from runners.direct import local_options
+    from transforms import ReadFromKafka, StopPolicy
+
+    with beam.Pipeline(options=local_options()) as p:
+        records = p | ReadFromKafka("127.0.0.1:9092", ["clicks"], group_id="clicks-job",
+                                    stop=StopPolicy(at_end_offsets=True))
+        records | beam.Map(lambda r: (r.partition, r.offset))
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import apache_beam as beam
+from apache_beam.io.iobase import RestrictionTracker, WatermarkEstimator
+from apache_beam.io.restriction_trackers import OffsetRange, OffsetRestrictionTracker
+from apache_beam.metrics import Metrics
+from apache_beam.transforms.core import RestrictionProvider, WatermarkEstimatorProvider
+from apache_beam.utils.timestamp import Duration, Timestamp
+
+from beamflow.kafka.client import KafkaConsumerClient, open_consumer
+from beamflow.kafka.commits import ForwardOnlyCommitter
+from beamflow.kafka.guard import exclusive_reader
+from beamflow.kafka.record import KafkaRecord, TopicPartition
+from beamflow.kafka.watermark import PartitionWatermark
+
+__all__ = ["ReadFromKafka", "StartPolicy", "StopPolicy"]
+
+_UNBOUNDED = sys.maxsize
+_MAX_PARTITIONS = 1 << 20
+
+
+@dataclass(frozen=True)
+class StartPolicy:
+    """Where a partition starts when its group has no committed offset: ``earliest``, ``latest`` or a timestamp."""
+
+    reset: str = "earliest"
+    timestamp_ms: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.reset not in ("earliest", "latest", "timestamp"):
+            raise ValueError(f"StartPolicy.reset must be earliest, latest or timestamp, not {self.reset!r}")
+        if (self.reset == "timestamp") != (self.timestamp_ms is not None):
+            raise ValueError("StartPolicy: give timestamp_ms exactly when reset='timestamp'")
+
+
+@dataclass(frozen=True)
+class StopPolicy:
+    """Bounded reads for tests and backfills; all None/False means read forever.
+
+    - ``at_end_offsets``: stop at the end offsets seen when each partition's restriction was created;
+    - ``max_records_per_partition``: stop after that many offsets from the start of each partition;
+    - ``until_ms``: stop a partition at its first record with timestamp >= until_ms, or once the wall clock passed
+      until_ms while it had nothing to read; partition discovery stops then too.
+    """
+
+    at_end_offsets: bool = False
+    max_records_per_partition: int | None = None
+    until_ms: int | None = None
+
+    @property
+    def bounded(self) -> bool:
+        return self.at_end_offsets or self.max_records_per_partition is not None or self.until_ms is not None
+
+
+@dataclass(frozen=True)
+class _ReaderConfig:
+    bootstrap: str
+    group_id: str
+    backend: str
+    consumer_config: tuple[tuple[str, Any], ...]
+    start: StartPolicy
+    stop: StopPolicy
+    max_delay_ms: int
+    idle_timeout_ms: int | None
+    poll_timeout_s: float
+    max_bundle_records: int
+    max_bundle_seconds: float
+    commit_offsets: bool
+
+    def consumer(self) -> KafkaConsumerClient:
+        return open_consumer(self.backend, self.bootstrap, self.group_id, dict(self.consumer_config))
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class _PartitionTracker(OffsetRestrictionTracker):
+    """An offset tracker that never splits a partition in two: only checkpoints (fraction 0) are allowed.
+
+    Two readers of one partition are exactly the failure of beam#31313; refusing runner-initiated splits keeps one
+    partition, one reader, so the worker-level guard can treat a second reader as the bug it is.
+    """
+
+    def try_split(self, fraction_of_remainder: float) -> Any:
+        if fraction_of_remainder > 0:
+            return None
+        return super().try_split(fraction_of_remainder)
+
+    def is_bounded(self) -> bool:
+        return bool(self._range.stop != _UNBOUNDED)
+
+
+class _PartitionRestrictions(RestrictionProvider):
+    def __init__(self, config: _ReaderConfig) -> None:
+        self._config = config
+
+    def initial_restriction(self, element: TopicPartition) -> OffsetRange:
+        # Resolved once per partition; afterwards only the runner's checkpoint moves the start.
+        consumer = self._config.consumer()
+        try:
+            low, high = consumer.watermarks(element)
+            committed = consumer.committed(element)
+            start_policy = self._config.start
+            if committed is not None:
+                start = max(committed, low)
+            elif start_policy.reset == "earliest":
+                start = low
+            elif start_policy.reset == "latest":
+                start = high
+            else:
+                assert start_policy.timestamp_ms is not None
+                found = consumer.offset_for_time(element, start_policy.timestamp_ms)
+                start = high if found is None else found
+        finally:
+            consumer.close()
+        stop_policy = self._config.stop
+        stop = _UNBOUNDED
+        if stop_policy.at_end_offsets:
+            stop = min(stop, max(high, start))
+        if stop_policy.max_records_per_partition is not None:
+            stop = min(stop, start + stop_policy.max_records_per_partition)
+        return OffsetRange(start, stop)
+
+    def create_tracker(self, restriction: OffsetRange) -> RestrictionTracker:
+        return _PartitionTracker(restriction)
+
+    def restriction_size(self, element: TopicPartition, restriction: OffsetRange) -> float:
+        if restriction.stop == _UNBOUNDED:
+            return 1.0
+        return float(max(restriction.stop - restriction.start, 0))
+
+    def split(self, element: TopicPartition, restriction: OffsetRange) -> Iterator[OffsetRange]:
+        yield restriction  # one restriction per partition, never more
+
+
+class _PartitionWatermarkEstimator(WatermarkEstimator):
+    def __init__(self, state: tuple[int, int | None], max_delay_ms: int, idle_timeout_ms: int | None) -> None:
+        self.logic = PartitionWatermark(max_delay_ms, idle_timeout_ms, state[0], state[1])
+
+    def observe_timestamp(self, timestamp: Timestamp) -> None:
+        pass  # the DoFn accounts for records itself (it needs the "late" answer per record)
+
+    def current_watermark(self) -> Timestamp:
+        return Timestamp(micros=self.logic.watermark_ms * 1000)
+
+    def get_estimator_state(self) -> tuple[int, int | None]:
+        return self.logic.as_state()
+
+    def partition_watermark(self) -> PartitionWatermark:
+        return self.logic
+
+
+class _PartitionWatermarks(WatermarkEstimatorProvider):
+    def __init__(self, config: _ReaderConfig) -> None:
+        self._config = config
+
+    def initial_estimator_state(self, element: TopicPartition, restriction: OffsetRange) -> tuple[int, int | None]:
+        return PartitionWatermark(self._config.max_delay_ms, self._config.idle_timeout_ms).as_state()
+
+    def create_watermark_estimator(self, estimator_state: tuple[int, int | None]) -> WatermarkEstimator:
+        return _PartitionWatermarkEstimator(estimator_state, self._config.max_delay_ms, self._config.idle_timeout_ms)
+
+
+class _ReadPartitionFn(beam.DoFn, _PartitionRestrictions, _PartitionWatermarks):
+    """Reads one partition per element; the DoFn is its own restriction and watermark-estimator provider."""
+
+    def __init__(self, config: _ReaderConfig, event_time_fn: Callable[[KafkaRecord], int] | None) -> None:
+        beam.DoFn.__init__(self)
+        self._config = config
+        self._event_time_fn = event_time_fn
+
+    def setup(self) -> None:
+        self._consumers: dict[TopicPartition, KafkaConsumerClient] = {}
+        self._committer: ForwardOnlyCommitter | None = None
+        ns = "beamflow.kafka"
+        self._records = Metrics.counter(ns, "records_read")
+        self._bytes = Metrics.counter(ns, "bytes_read")
+        self._late = Metrics.counter(ns, "late_records")
+        self._idle = Metrics.counter(ns, "idle_polls")
+
+    def teardown(self) -> None:
+        for consumer in getattr(self, "_consumers", {}).values():
+            consumer.close()
+        self._consumers = {}
+
+    def _consumer(self, tp: TopicPartition) -> KafkaConsumerClient:
+        consumer = self._consumers.get(tp)
+        if consumer is None:
+            consumer = self._consumers[tp] = self._config.consumer()
+        return consumer
+
+    def _commit(self, tp: TopicPartition, next_offset: int) -> None:
+        if self._committer is None:
+            self._committer = ForwardOnlyCommitter(self._config.consumer())
+        if self._committer.commit(tp, next_offset):
+            Metrics.gauge("beamflow.kafka", f"committed_offset.{tp}").set(next_offset)
+
+    def _event_time_ms(self, record: KafkaRecord) -> int:
+        return self._event_time_fn(record) if self._event_time_fn else record.timestamp_ms
+
+    # The finalizer parameter must come before the restriction and watermark parameters (Beam passes it
+    # positionally; the other order fails with "got multiple values for argument").
+    def process(
+        self,
+        element: TopicPartition,
+        bundle_finalizer: Any = beam.DoFn.BundleFinalizerParam,
+        tracker: Any = beam.DoFn.RestrictionParam(),
+        watermark_estimator: Any = beam.DoFn.WatermarkEstimatorParam(),
+    ) -> Iterable[Any]:
+        return self._read(element, bundle_finalizer, tracker, watermark_estimator)
+
+    def _read(
+        self, tp: TopicPartition, bundle_finalizer: Any, tracker: Any, watermark_estimator: Any
+    ) -> Iterator[Any]:
+        config = self._config
+        restriction: OffsetRange = tracker.current_restriction()
+        watermark: PartitionWatermark = watermark_estimator.partition_watermark()
+        with exclusive_reader(config.bootstrap, config.group_id, tp.topic, tp.partition):
+            consumer = self._consumer(tp)
+            consumer.assign(tp, restriction.start)
+            deadline = time.monotonic() + config.max_bundle_seconds
+            emitted = 0
+            last_claimed: int | None = None
+            try:
+                while True:
+                    records = consumer.poll(min(2000, config.max_bundle_records), config.poll_timeout_s)
+                    now = _now_ms()
+                    if not records:
+                        self._idle.inc()
+                        watermark.observe_caught_up(now)
+                        if config.stop.until_ms is not None and now >= config.stop.until_ms:
+                            tracker.try_claim(restriction.stop)  # the policy's end: finish this partition
+                            return
+                        tracker.defer_remainder(Duration(seconds=0.5))
+                        return
+                    for record in records:
+                        event_ms = self._event_time_ms(record)
+                        if config.stop.until_ms is not None and event_ms >= config.stop.until_ms:
+                            tracker.try_claim(restriction.stop)
+                            return
+                        if not tracker.try_claim(record.offset):
+                            return
+                        last_claimed = record.offset
+                        if watermark.observe_record(event_ms, now):
+                            self._late.inc()
+                        self._records.inc()
+                        self._bytes.inc(len(record.value or b"") + len(record.key or b""))
+                        emitted += 1
+                        yield beam.window.TimestampedValue(record, event_ms / 1000.0)
+                    if emitted >= config.max_bundle_records or time.monotonic() >= deadline:
+                        # Hand the bundle back so the runner can make it durable and finalize (commit) it.
+                        tracker.defer_remainder(Duration(seconds=0))
+                        return
+            finally:
+                if config.commit_offsets and last_claimed is not None:
+                    next_offset = last_claimed + 1
+                    bundle_finalizer.register(lambda: self._commit(tp, next_offset))
+
+
+class _UnboundedReadPartitionFn(_ReadPartitionFn):
+    @beam.DoFn.unbounded_per_element()
+    def process(
+        self,
+        element: TopicPartition,
+        bundle_finalizer: Any = beam.DoFn.BundleFinalizerParam,
+        tracker: Any = beam.DoFn.RestrictionParam(),
+        watermark_estimator: Any = beam.DoFn.WatermarkEstimatorParam(),
+    ) -> Iterable[Any]:
+        return self._read(element, bundle_finalizer, tracker, watermark_estimator)
+
+
+class _WatchPartitionsFn(beam.DoFn, RestrictionProvider):
+    """Emits each partition of a topic exactly once, including partitions added while the job runs.
+
+    The restriction is a range of partition numbers; claiming number i means "partition i was handed to the
+    readers". A claim lives in the runner's checkpoint, so a restored job neither re-emits nor forgets a partition.
+    """
+
+    def __init__(self, config: _ReaderConfig, poll_interval_s: float) -> None:
+        self._config = config
+        self._poll_interval_s = poll_interval_s
+
+    def initial_restriction(self, element: str) -> OffsetRange:
+        if self._config.stop.at_end_offsets or self._config.stop.max_records_per_partition is not None:
+            consumer = self._config.consumer()
+            try:
+                return OffsetRange(0, len(consumer.partitions(element)))
+            finally:
+                consumer.close()
+        return OffsetRange(0, _MAX_PARTITIONS)
+
+    def create_tracker(self, restriction: OffsetRange) -> RestrictionTracker:
+        return OffsetRestrictionTracker(restriction)
+
+    def restriction_size(self, element: str, restriction: OffsetRange) -> float:
+        return 1.0
+
+    def setup(self) -> None:
+        self._client: KafkaConsumerClient | None = None
+
+    def teardown(self) -> None:
+        if self._client is not None:
+            self._client.close()
+
+    def process(self, topic: str, tracker: Any = beam.DoFn.RestrictionParam()) -> Iterator[TopicPartition]:
+        return self._watch(topic, tracker)
+
+    def _watch(self, topic: str, tracker: Any) -> Iterator[TopicPartition]:
+        if self._client is None:
+            self._client = self._config.consumer()
+        existing = set(self._client.partitions(topic))
+        position = tracker.current_restriction().start
+        while position in existing:
+            if not tracker.try_claim(position):
+                return
+            yield TopicPartition(topic, position)
+            position += 1
+        until = self._config.stop.until_ms
+        if until is not None and _now_ms() >= until:
+            tracker.try_claim(tracker.current_restriction().stop)
+            return
+        tracker.defer_remainder(Duration(seconds=self._poll_interval_s))
+
+
+class _UnboundedWatchPartitionsFn(_WatchPartitionsFn):
+    @beam.DoFn.unbounded_per_element()
+    def process(self, topic: str, tracker: Any = beam.DoFn.RestrictionParam()) -> Iterator[TopicPartition]:
+        return self._watch(topic, tracker)
+
+
+class ReadFromKafka(beam.PTransform):
+    """Reads topics as ``KafkaRecord`` elements (topic, partition, offset, timestamp_ms, key, value, headers).
+
+    Args:
+        bootstrap: broker list.
+        topics: topics to read; every partition, including ones added while running, is read exactly once.
+        group_id: consumer group whose committed offsets are the start of a new job and the monitoring of a running
+            one (committed only forward, only after the runner made the output durable).
+        backend: ``confluent`` (librdkafka, fast) or ``kafka-python`` (pure Python).
+        start: where partitions without a committed offset start.
+        stop: bounded modes; default reads forever.
+        event_time_fn: record -> event time in epoch milliseconds (default: the record timestamp).
+        max_delay_ms: allowed out-of-orderness; the partition watermark trails the newest timestamp by this much.
+        idle_timeout_ms: wall time with nothing to read after which a partition's watermark advances to now minus
+            ``max_delay_ms`` (None disables idleness; then one silent partition holds every window back).
+        commit_offsets: commit to the group from the bundle finalizer (on by default; never auto-commit).
+    """
+
+    def __init__(
+        self,
+        bootstrap: str,
+        topics: Sequence[str],
+        group_id: str,
+        backend: str = "confluent",
+        start: StartPolicy = StartPolicy(),  # noqa: B008 - frozen dataclass, safe as a default
+        stop: StopPolicy = StopPolicy(),  # noqa: B008
+        event_time_fn: Callable[[KafkaRecord], int] | None = None,
+        max_delay_ms: int = 0,
+        idle_timeout_ms: int | None = 30_000,
+        commit_offsets: bool = True,
+        consumer_config: dict[str, Any] | None = None,
+        poll_timeout_s: float = 0.5,
+        max_bundle_records: int = 20_000,
+        max_bundle_seconds: float = 1.0,
+        partition_poll_interval_s: float = 5.0,
+    ) -> None:
+        super().__init__()
+        if not topics:
+            raise ValueError("ReadFromKafka needs at least one topic")
+        if "enable.auto.commit" in (consumer_config or {}) or "enable_auto_commit" in (consumer_config or {}):
+            raise ValueError("auto-commit is not configurable: offsets are committed only from bundle finalizers")
+        self._topics = list(topics)
+        self._config = _ReaderConfig(
+            bootstrap=bootstrap,
+            group_id=group_id,
+            backend=backend,
+            consumer_config=tuple(sorted((consumer_config or {}).items())),
+            start=start,
+            stop=stop,
+            max_delay_ms=max_delay_ms,
+            idle_timeout_ms=idle_timeout_ms,
+            poll_timeout_s=poll_timeout_s,
+            max_bundle_records=max_bundle_records,
+            max_bundle_seconds=max_bundle_seconds,
+            commit_offsets=commit_offsets,
+        )
+        self._event_time_fn = event_time_fn
+        self._partition_poll_interval_s = partition_poll_interval_s
+
+    def expand(self, pbegin: beam.pvalue.PBegin) -> beam.PCollection[KafkaRecord]:
+        # Finite restrictions (end offsets, record counts) make a bounded read; otherwise the read is unbounded
+        # and ends only by the until_ms policy.
+        finite = self._config.stop.at_end_offsets or self._config.stop.max_records_per_partition is not None
+        watch_cls = _WatchPartitionsFn if finite else _UnboundedWatchPartitionsFn
+        read_cls = _ReadPartitionFn if finite else _UnboundedReadPartitionFn
+        watch = watch_cls(self._config, self._partition_poll_interval_s)
+        read = read_cls(self._config, self._event_time_fn)
+        return (
+            pbegin
+            | "Topics" >> beam.Create(self._topics)
+            | "DiscoverPartitions" >> beam.ParDo(watch)
+            # One partition per element from here on: let the runner spread them over workers.
+            | "SpreadPartitions" >> beam.Reshuffle()
+            | "ReadPartitions" >> beam.ParDo(read)
+        )
+
