@@ -104,6 +104,8 @@ class KafkaService(LocalService):
                     "message.max.bytes=2097152",
                     "replica.fetch.max.bytes=2097152",
                     "auto.create.topics.enable=false",
+                    # Generated and replayed traffic carries old timestamps; time-based retention would delete it.
+                    "log.retention.ms=-1",
                     "",
                 ]
             )

@@ -1,0 +1,53 @@
+"""Event ids are deterministic across processes and hash seeds, and distinguish what they should."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import apache_beam as beam
+import pytest
+from apache_beam.testing.util import assert_that, equal_to
+
+from beamflow.event_id import event_id_from_coordinates, event_id_from_fields
+from runners.direct import local_options
+from transforms.attach_event_id import AttachEventId
+
+pytestmark = pytest.mark.unit
+
+_PROBE = (
+    "from beamflow.event_id import event_id_from_coordinates as c, event_id_from_fields as f;"
+    "print(c('clicks', 3, 12345), f({'user_id': 'u1', 'ad_id': 7, 'ts': 1.0}, ['user_id', 'ad_id', 'ts']))"
+)
+
+
+def test_ids_are_identical_across_processes_with_different_hash_seeds() -> None:
+    outputs = set()
+    for seed in ("0", "1", "12345", "random"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        outputs.add(subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True,
+                                   check=True).stdout.strip())
+    assert len(outputs) == 1
+    here = f"{event_id_from_coordinates('clicks', 3, 12345)} " + event_id_from_fields(
+        {"user_id": "u1", "ad_id": 7, "ts": 1.0}, ["user_id", "ad_id", "ts"])
+    assert outputs == {here}
+
+
+def test_ids_are_uuid_strings_and_distinguish_coordinates_and_fields() -> None:
+    a = event_id_from_coordinates("t", 0, 1)
+    assert len(a) == 36 and a.count("-") == 4
+    assert a != event_id_from_coordinates("t", 1, 0)
+    assert a != event_id_from_coordinates("t0", 0, 1)
+    assert event_id_from_fields({"x": 1, "y": "a"}, ["x", "y"]) != event_id_from_fields({"x": 1, "y": "b"}, ["x", "y"])
+    # Field order is part of the definition; 1 and 1.0 are the same value.
+    assert event_id_from_fields({"x": 1}, ["x"]) == event_id_from_fields({"x": 1.0}, ["x"])
+    with pytest.raises(KeyError, match="missing"):
+        event_id_from_fields({"x": 1}, ["x", "y"])
+
+
+def test_attach_event_id_transform() -> None:
+    rows = [{"topic": "t", "partition": 0, "offset": i} for i in range(3)]
+    expected = [{**r, "event_id": event_id_from_coordinates("t", 0, r["offset"])} for r in rows]
+    with beam.Pipeline(options=local_options()) as p:
+        assert_that(p | beam.Create(rows) | AttachEventId(), equal_to(expected))
