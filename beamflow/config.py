@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-__all__ = ["load_config", "apply_overrides", "resolve_auto"]
+__all__ = ["apply_overrides", "load_config", "resolve_auto"]
 
 
 def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["TrafficSpec", "GeneratedTraffic", "ClickRecord", "generate_traffic", "BAD_KINDS", "EVENT_ID_FIELDS"]
+__all__ = ["BAD_KINDS", "EVENT_ID_FIELDS", "ClickRecord", "GeneratedTraffic", "TrafficSpec", "generate_traffic"]
 
 # The fields that identify one click event: a duplicate send repeats all of them, two distinct events never do.
 EVENT_ID_FIELDS = ("user_id", "ad_id", "campaign_id", "event_type", "event_time")
@@ -179,3 +179,24 @@ def produce_traffic(bootstrap: str, topic: str, traffic: GeneratedTraffic) -> in
         topic,
         ((r.key, r.value, {"partition": r.partition, "timestamp_ms": r.timestamp_ms}) for r in traffic.records),
     )
+
+
+def load_click_schema(version: int) -> dict[str, Any]:
+    import json
+    from pathlib import Path
+
+    return dict(json.loads((Path(__file__).parent / "avro" / "schemas" / f"click_v{version}.avsc").read_text()))
+
+
+def avro_click_encoder(registry_url: str, subject: str) -> Encoder:
+    """Encodes events in the Confluent wire format with the click schema v1 or v2, registered under ``subject``."""
+    from beamflow.avro.registry import SchemaRegistryClient
+    from beamflow.avro.serde import AvroSerializer
+
+    client = SchemaRegistryClient(registry_url)
+    serializers = {v: AvroSerializer(client, subject, load_click_schema(v)) for v in (1, 2)}
+
+    def encode(event: dict[str, Any], version: int) -> bytes:
+        return serializers[version].serialize(event)
+
+    return encode

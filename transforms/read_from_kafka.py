@@ -35,6 +35,7 @@ from apache_beam.io.iobase import RestrictionTracker, WatermarkEstimator
 from apache_beam.io.restriction_trackers import OffsetRange, OffsetRestrictionTracker
 from apache_beam.metrics import Metrics
 from apache_beam.transforms.core import RestrictionProvider, WatermarkEstimatorProvider
+from apache_beam.transforms.window import TimestampedValue
 from apache_beam.utils.timestamp import Duration, Timestamp
 
 from beamflow.kafka.client import KafkaConsumerClient, open_consumer
@@ -240,9 +241,7 @@ class _ReadPartitionFn(beam.DoFn, _PartitionRestrictions, _PartitionWatermarks):
     ) -> Iterable[Any]:
         return self._read(element, bundle_finalizer, tracker, watermark_estimator)
 
-    def _read(
-        self, tp: TopicPartition, bundle_finalizer: Any, tracker: Any, watermark_estimator: Any
-    ) -> Iterator[Any]:
+    def _read(self, tp: TopicPartition, bundle_finalizer: Any, tracker: Any, watermark_estimator: Any) -> Iterator[Any]:
         config = self._config
         restriction: OffsetRange = tracker.current_restriction()
         watermark: PartitionWatermark = watermark_estimator.partition_watermark()
@@ -277,7 +276,7 @@ class _ReadPartitionFn(beam.DoFn, _PartitionRestrictions, _PartitionWatermarks):
                         self._records.inc()
                         self._bytes.inc(len(record.value or b"") + len(record.key or b""))
                         emitted += 1
-                        yield beam.window.TimestampedValue(record, event_ms / 1000.0)
+                        yield TimestampedValue(record, event_ms / 1000.0)
                     if emitted >= config.max_bundle_records or time.monotonic() >= deadline:
                         # Hand the bundle back so the runner can make it durable and finalize (commit) it.
                         tracker.defer_remainder(Duration(seconds=0))
@@ -383,8 +382,8 @@ class ReadFromKafka(beam.PTransform):
         topics: Sequence[str],
         group_id: str,
         backend: str = "confluent",
-        start: StartPolicy = StartPolicy(),  # noqa: B008 - frozen dataclass, safe as a default
-        stop: StopPolicy = StopPolicy(),  # noqa: B008
+        start: StartPolicy = StartPolicy(),
+        stop: StopPolicy = StopPolicy(),
         event_time_fn: Callable[[KafkaRecord], int] | None = None,
         max_delay_ms: int = 0,
         idle_timeout_ms: int | None = 30_000,
@@ -434,4 +433,3 @@ class ReadFromKafka(beam.PTransform):
             | "SpreadPartitions" >> beam.Reshuffle()
             | "ReadPartitions" >> beam.ParDo(read)
         )
-

@@ -8,7 +8,7 @@ import json
 from beamflow.services import SERVICES, ServiceSet
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("services", help="start, stop or inspect the local services")
     parser.add_argument("action", choices=["up", "down", "status"])
     parser.add_argument("names", nargs="*", help=f"services (default: all of {', '.join(SERVICES)})")

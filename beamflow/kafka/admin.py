@@ -8,7 +8,7 @@ from typing import Any
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewPartitions, NewTopic
 
-__all__ = ["create_topic", "add_partitions", "produce", "topic_partition_count", "end_offsets"]
+__all__ = ["add_partitions", "create_topic", "end_offsets", "produce", "topic_partition_count"]
 
 
 def _admin(bootstrap: str) -> AdminClient:
@@ -79,7 +79,7 @@ def produce(
 
     for item in records:
         key, value = item[0], item[1]
-        extra: dict[str, Any] = item[2] if len(item) > 2 else {}  # type: ignore[misc]
+        extra: dict[str, Any] = item[2] if len(item) > 2 else {}
         kwargs: dict[str, Any] = {"key": key, "value": value, "on_delivery": on_delivery}
         if "partition" in extra:
             kwargs["partition"] = extra["partition"]

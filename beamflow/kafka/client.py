@@ -1,6 +1,7 @@
 """A small consumer contract over two Kafka clients, so the read transform knows neither.
 
-Only ``assign`` + ``seek`` semantics: beamflow never calls ``subscribe``, so there is no consumer-group membership and no
+Only ``assign`` + ``seek`` semantics: beamflow never calls ``subscribe``, so there is no consumer-group membership and
+no rebalance, whatever the parallelism. The group id is used only to store and read committed offsets.
 rebalance, whatever the parallelism. The group id is used only to store and read committed offsets.
 """
 

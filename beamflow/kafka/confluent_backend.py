@@ -16,7 +16,7 @@ from confluent_kafka import TopicPartition as CkTopicPartition
 from beamflow.kafka.client import KafkaConsumerClient
 from beamflow.kafka.record import KafkaRecord, TopicPartition
 
-__all__ = ["ConfluentConsumer", "TUNED_DEFAULTS"]
+__all__ = ["TUNED_DEFAULTS", "ConfluentConsumer"]
 
 TUNED_DEFAULTS: dict[str, Any] = {
     "fetch.queue.backoff.ms": 0,
@@ -59,13 +59,13 @@ class ConfluentConsumer(KafkaConsumerClient):
             headers = msg.headers()
             out.append(
                 KafkaRecord(
-                    topic=msg.topic(),
-                    partition=msg.partition(),
-                    offset=msg.offset(),
+                    topic=msg.topic(),  # type: ignore[arg-type]  # set on every non-error message
+                    partition=msg.partition(),  # type: ignore[arg-type]
+                    offset=msg.offset(),  # type: ignore[arg-type]
                     timestamp_ms=ts,
                     key=msg.key(),
                     value=msg.value(),
-                    headers=tuple(headers) if headers else (),
+                    headers=tuple(headers) if headers else (),  # type: ignore[arg-type]
                 )
             )
         return out

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["PartitionWatermark", "MIN_WATERMARK_MS"]
+__all__ = ["MIN_WATERMARK_MS", "PartitionWatermark"]
 
 MIN_WATERMARK_MS = -(2**62)
 

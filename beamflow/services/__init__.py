@@ -12,9 +12,9 @@ from typing import Any
 from beamflow.services.base import LocalService, ServiceError, ServiceState
 from beamflow.services.paths import cache_dir, data_dir
 
-__all__ = ["SERVICES", "ServiceError", "ServiceSet", "ServiceState", "LocalService"]
+__all__ = ["SERVICES", "LocalService", "ServiceError", "ServiceSet", "ServiceState"]
 
-# name -> "module:Class"; order is start order (the registry and Flink need nothing else, but Kafka first helps the demo).
+# name -> "module:Class", in start order.
 SERVICES: dict[str, str] = {
     "kafka": "beamflow.services.kafka:KafkaService",
     "postgres": "beamflow.services.postgres:PostgresService",

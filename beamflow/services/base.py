@@ -21,15 +21,15 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "LocalService",
     "ServiceError",
     "ServiceState",
-    "LocalService",
     "free_port",
-    "wait_until",
-    "wait_for_port",
+    "pid_alive",
     "start_process",
     "stop_process_group",
-    "pid_alive",
+    "wait_for_port",
+    "wait_until",
 ]
 
 

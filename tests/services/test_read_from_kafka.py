@@ -48,15 +48,13 @@ def _run(read: ReadFromKafka, check: Callable[[Any], None] | None = None, mid: A
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_bounded_read_emits_exactly_the_produced_set_and_commits_end_offsets(
-    kafka: ServiceState, backend: str
-) -> None:
+def test_bounded_read_emits_exactly_the_produced_set_and_commits_end_offsets(kafka: ServiceState, backend: str) -> None:
     bootstrap = kafka.info["bootstrap"]
     topic, group = _topic("read"), _topic("group")
     create_topic(bootstrap, topic, 4)
     produce(bootstrap, topic, ((str(i).encode(), f"v{i}".encode()) for i in range(20_000)))
     ends = end_offsets(bootstrap, topic)
-    expected = []
+    expected: list[tuple[int, int, bytes | None]] = []
     client = open_consumer("confluent", bootstrap, _topic("probe"))
     for p in range(4):
         client.assign(TopicPartition(topic, p), 0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from typing import Any
 
 import apache_beam as beam
 import pytest
@@ -26,11 +27,15 @@ def test_ids_are_identical_across_processes_with_different_hash_seeds() -> None:
     outputs = set()
     for seed in ("0", "1", "12345", "random"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
-        outputs.add(subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True,
-                                   check=True).stdout.strip())
+        outputs.add(
+            subprocess.run(
+                [sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, check=True
+            ).stdout.strip()
+        )
     assert len(outputs) == 1
     here = f"{event_id_from_coordinates('clicks', 3, 12345)} " + event_id_from_fields(
-        {"user_id": "u1", "ad_id": 7, "ts": 1.0}, ["user_id", "ad_id", "ts"])
+        {"user_id": "u1", "ad_id": 7, "ts": 1.0}, ["user_id", "ad_id", "ts"]
+    )
     assert outputs == {here}
 
 
@@ -47,7 +52,7 @@ def test_ids_are_uuid_strings_and_distinguish_coordinates_and_fields() -> None:
 
 
 def test_attach_event_id_transform() -> None:
-    rows = [{"topic": "t", "partition": 0, "offset": i} for i in range(3)]
+    rows: list[dict[str, Any]] = [{"topic": "t", "partition": 0, "offset": i} for i in range(3)]
     expected = [{**r, "event_id": event_id_from_coordinates("t", 0, r["offset"])} for r in rows]
     with beam.Pipeline(options=local_options()) as p:
         assert_that(p | beam.Create(rows) | AttachEventId(), equal_to(expected))

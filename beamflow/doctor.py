@@ -1,0 +1,286 @@
+"""``beamflow doctor``: checks a deployment against the failure modes of the seed stories. No Beam.
+
+Each finding names the seed it comes from, says why it matters and how to fix it. Static checks read the job's
+config; live checks (optional) read Kafka (partition counts, the normal gap between records) and Flink's REST API
+(checkpoint durations and which phase dominates: alignment, synchronous snapshot, or asynchronous upload).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Finding", "check_checkpoint_stats", "check_config", "check_record_gaps", "format_findings"]
+
+
+@dataclass(frozen=True)
+class Finding:
+    code: str
+    severity: str  # error | warning | info
+    message: str
+    why: str
+    fix: str
+
+
+def _get(config: Mapping[str, Any], path: str, default: Any = None) -> Any:
+    node: Any = config
+    for key in path.split("."):
+        if not isinstance(node, Mapping) or key not in node:
+            return default
+        node = node[key]
+    return node
+
+
+_RUN_ID = re.compile(r"(\d{8,}|[0-9a-f]{8}-[0-9a-f]{4}-|run[-_]?\d|job[-_]?id)", re.IGNORECASE)
+
+
+def check_config(config: Mapping[str, Any], partitions: int | None = None) -> list[Finding]:
+    """Static findings for a job config (``conf/*.yaml`` after overrides). ``partitions`` overrides the config's."""
+    findings: list[Finding] = []
+    flink = _get(config, "flink", {}) or {}
+    parallelism = flink.get("parallelism")
+    partitions = partitions if partitions is not None else _get(config, "kafka.partitions")
+    if parallelism and partitions and int(parallelism) > int(partitions):
+        findings.append(
+            Finding(
+                "parallelism-above-partitions",
+                "warning",
+                f"parallelism {parallelism} is above the topic's {partitions} partitions",
+                "seed 000: raising source parallelism from 48 to 96 on 48 partitions left 48 source subtasks idle "
+                "while adding state, checkpoint work, sink writers and small files; hot keys still hit a few subtasks",
+                f"set parallelism to {partitions} (or add partitions), fix the checkpoint path first, and use "
+                "HotKeyAggregate for skew instead of more parallelism",
+            )
+        )
+    interval = flink.get("checkpointing_interval_ms")
+    timeout = flink.get("checkpoint_timeout_ms")
+    if not interval:
+        findings.append(
+            Finding(
+                "checkpointing-off",
+                "error",
+                "checkpointing is off",
+                "without completed checkpoints Flink never finalizes bundles: Kafka offsets are never committed and "
+                "a restart replays from the beginning of the group's offsets",
+                "set flink.checkpointing_interval_ms (e.g. 10000-60000)",
+            )
+        )
+    if interval and timeout and int(timeout) > 3 * int(interval):
+        findings.append(
+            Finding(
+                "checkpoint-timeout-far-above-interval",
+                "warning",
+                f"checkpoint timeout {timeout} ms is more than 3x the interval {interval} ms",
+                "seed 002: raising the timeout to 30 minutes hides slow checkpoints; Flink does not start a new "
+                "checkpoint while one runs, so the effective interval silently grows and so does replay after a "
+                "failure",
+                "fix throughput and alignment (backpressure) first; keep the timeout near 2x the expected duration",
+            )
+        )
+    min_pause = flink.get("min_pause_between_checkpoints_ms")
+    if interval and not min_pause:
+        findings.append(
+            Finding(
+                "no-min-pause",
+                "warning",
+                "no minimum pause between checkpoints",
+                "a checkpoint that takes as long as the interval is followed at once by the next: the job does "
+                "nothing but checkpoint",
+                "set flink.min_pause_between_checkpoints_ms (e.g. half the interval)",
+            )
+        )
+    backend = str(flink.get("state_backend", "hashmap")).lower()
+    if backend == "rocksdb" and flink.get("incremental") is False:
+        findings.append(
+            Finding(
+                "non-incremental-state",
+                "warning",
+                "RocksDB state without incremental checkpoints",
+                "seed 002: 40 GB uploaded per checkpoint is a full snapshot every time",
+                "set flink.incremental: true",
+            )
+        )
+    if backend == "hashmap" and _get(config, "sessions.gap_s"):
+        findings.append(
+            Finding(
+                "heap-state-for-sessions",
+                "info",
+                "session windows on the heap state backend",
+                "seed 000: 2.5 GB of session state on 8 GB heaps made checkpoints and GC pauses long",
+                "use state_backend: rocksdb with incremental: true for large keyed state",
+            )
+        )
+    if flink.get("unaligned_checkpoints") is None and interval:
+        findings.append(
+            Finding(
+                "aligned-checkpoints-under-backpressure",
+                "info",
+                "unaligned checkpoints not configured",
+                "seed 002: under sustained backpressure barriers queue behind in-flight records (alignment time)",
+                "fix the slow operator first; if alignment still dominates, set flink.unaligned_checkpoints: true",
+            )
+        )
+    commit_s = _get(config, "iceberg.commit_interval_s")
+    if commit_s is not None and interval and float(commit_s) * 1000 < int(interval):
+        findings.append(
+            Finding(
+                "sink-commit-shorter-than-checkpoint",
+                "warning",
+                f"Iceberg commit interval {commit_s}s is shorter than the checkpoint interval {int(interval) / 1000}s",
+                "commits more often than checkpoints make small files and snapshots that replay cannot line up "
+                "with (iceberg#2404: tiny files every checkpoint)",
+                "set iceberg.commit_interval_s to at least the checkpoint interval",
+            )
+        )
+    consumer = _get(config, "kafka.consumer_config", {}) or {}
+    if str(consumer.get("enable.auto.commit", consumer.get("enable_auto_commit", "false"))).lower() == "true":
+        findings.append(
+            Finding(
+                "kafka-auto-commit",
+                "error",
+                "auto-commit enabled on the Kafka source",
+                "offsets committed on a timer run ahead of what the sinks hold: a crash loses data (seed 003)",
+                "remove enable.auto.commit; ReadFromKafka commits only from bundle finalizers",
+            )
+        )
+    idle = _get(config, "kafka.idle_timeout_ms")
+    if idle is None:
+        findings.append(
+            Finding(
+                "idleness-off",
+                "warning",
+                "no idleness timeout on the Kafka source",
+                "seed 002: one partition without data between 01:00 and 05:00 pinned the watermark and session "
+                "windows stopped firing",
+                "set kafka.idle_timeout_ms above the normal gap between records (see the live gap check)",
+            )
+        )
+    sink_id = _get(config, "iceberg.sink_id")
+    if _get(config, "iceberg") and not sink_id:
+        findings.append(
+            Finding(
+                "no-stable-sink-id",
+                "error",
+                "the Iceberg sink has no sink_id",
+                "exactly-once marks are keyed by the sink id; without a stable one a restart re-commits "
+                "(iceberg#16008)",
+                "set iceberg.sink_id to a fixed name",
+            )
+        )
+    elif sink_id and _RUN_ID.search(str(sink_id)):
+        findings.append(
+            Finding(
+                "unstable-sink-id",
+                "error",
+                f"the Iceberg sink id {sink_id!r} looks like a run or job id",
+                "a new id per run makes every restart a new writer: the committed marks are not found and data "
+                "is added again",
+                "use a fixed, human-chosen name",
+            )
+        )
+    return findings
+
+
+def check_unstable_names(labels: list[str]) -> list[Finding]:
+    """Transform labels that will change between builds break savepoint restore (operator ids come from them)."""
+    unstable = [label for label in labels if re.search(r"<lambda>|at 0x[0-9a-f]+|\.py:\d+|\[\d+\]$", label)]
+    if not unstable:
+        return []
+    return [
+        Finding(
+            "unstable-operator-names",
+            "error",
+            f"{len(unstable)} transforms have generated names, e.g. {unstable[0]!r}",
+            "seed 000 question 3: savepoint restore matches operators by stable ids; Beam derives them from "
+            "transform labels, and generated labels change when code moves",
+            "give every transform an explicit label: 'Name' >> transform",
+        )
+    ]
+
+
+def check_record_gaps(gaps_ms: Mapping[int, int], idle_timeout_ms: int | None) -> list[Finding]:
+    """``gaps_ms``: per partition, the largest gap between consecutive record timestamps in a recent sample."""
+    if idle_timeout_ms is None or not gaps_ms:
+        return []
+    worst_partition, worst = max(gaps_ms.items(), key=lambda kv: kv[1])
+    if worst <= idle_timeout_ms:
+        return []
+    return [
+        Finding(
+            "idleness-shorter-than-gap",
+            "warning",
+            f"idle timeout {idle_timeout_ms} ms is shorter than the normal gap between records ({worst} ms on "
+            f"partition {worst_partition})",
+            "seed 002 question 3: a partition marked idle during a normal pause lets the watermark pass records "
+            "that are then late for windows that already fired",
+            f"raise kafka.idle_timeout_ms above {worst} ms, or send heartbeats on quiet partitions",
+        )
+    ]
+
+
+def check_checkpoint_stats(stats: Mapping[str, Any], interval_ms: int | None) -> list[Finding]:
+    """Reads Flink's ``/jobs/<id>/checkpoints`` answer: says which phase dominates (seed 002, question 1)."""
+    findings: list[Finding] = []
+    latest = (stats.get("latest") or {}).get("completed") or {}
+    summary = stats.get("summary") or {}
+    duration = latest.get("end_to_end_duration")
+    if duration is None:
+        duration = (summary.get("end_to_end_duration") or {}).get("max")
+    if duration is None:
+        return [
+            Finding(
+                "no-checkpoints",
+                "warning",
+                "no completed checkpoint yet",
+                "nothing is finalized or committed until one completes",
+                "check checkpointing and the job's health",
+            )
+        ]
+    alignment = (summary.get("alignment_buffered") or {}).get("max", 0)
+    sync = (summary.get("checkpointed_size") or {}).get("max", 0)
+    phases = {
+        "alignment": _phase(summary, "checkpoint_start_delay") + _phase(summary, "alignment_duration"),
+        "sync snapshot": _phase(summary, "sync_duration"),
+        "async upload": _phase(summary, "async_duration"),
+    }
+    dominant = max(phases, key=lambda k: phases[k])
+    msg = (
+        f"latest checkpoint took {duration} ms; phases (max ms): "
+        + ", ".join(f"{k} {v}" for k, v in phases.items())
+        + f"; state size {sync} bytes, buffered during alignment {alignment} bytes"
+    )
+    severity = "warning" if interval_ms and duration > interval_ms else "info"
+    fixes = {
+        "alignment": "backpressure: speed up the slowest operator (batch sink writes, e.g. BufferedMutator-style "
+        "flushes), then consider unaligned checkpoints",
+        "sync snapshot": "large synchronous snapshots: check state backend memory (RocksDB block cache, buffers)",
+        "async upload": "state upload dominates: incremental RocksDB checkpoints, smaller state (TTL, bounded "
+        "sessions, pre-aggregation)",
+    }
+    findings.append(
+        Finding(
+            f"checkpoint-{dominant.replace(' ', '-')}",
+            severity,
+            msg,
+            f"{dominant} dominates checkpoint time",
+            fixes[dominant],
+        )
+    )
+    return findings
+
+
+def _phase(summary: Mapping[str, Any], name: str) -> int:
+    value = (summary.get(name) or {}).get("max", 0)
+    return int(value or 0)
+
+
+def format_findings(findings: list[Finding], out: Callable[[str], None] = print) -> None:
+    if not findings:
+        out("doctor: no findings")
+        return
+    for f in findings:
+        out(f"[{f.severity}] {f.code}: {f.message}")
+        out(f"    why: {f.why}")
+        out(f"    fix: {f.fix}")
