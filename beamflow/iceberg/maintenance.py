@@ -1,0 +1,236 @@
+"""Table maintenance that is safe while a sink commits: expire snapshots, compact small files.
+
+Both are optimistic like the sink: each attempt loads the table, prepares its change against the current head
+and commits with the requirement that the head has not moved (``AssertRefSnapshotId``); if the sink (or
+anyone) committed in between, the catalog rejects it and the attempt starts over. Neither adds or removes
+rows, so a race can delay them but never lose or double data, and the sink's marks survive because they also
+live in a table property.
+
+pyiceberg 0.8.1 has no expire-snapshots API and no ``RemoveSnapshotsUpdate`` handler, so this module registers
+one on pyiceberg's own update dispatcher (only if pyiceberg lacks it) and commits it through a normal
+transaction. Files only the expired snapshots referenced stay on disk: deleting them while writers run needs
+an orphan-file sweep with a grace period, which is out of scope here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy.exc
+from pyiceberg.exceptions import CommitFailedException
+from pyiceberg.expressions import AlwaysTrue
+from pyiceberg.io.pyarrow import ArrowScan, _dataframe_to_data_files
+from pyiceberg.table import Table
+from pyiceberg.table.metadata import TableMetadata
+from pyiceberg.table.snapshots import ancestors_of
+from pyiceberg.table.update import (
+    AssertRefSnapshotId,
+    RemoveSnapshotsUpdate,
+    _apply_table_update,
+    _TableMetadataUpdateContext,
+)
+from pyiceberg.utils.datetime import datetime_to_millis
+
+from beamflow.iceberg.committer import decode_marks, encode_marks, merge_marks
+
+__all__ = ["CompactResult", "ExpireResult", "compact_files", "expire_snapshots"]
+
+log = logging.getLogger(__name__)
+
+_MARKS_PREFIX = "beamflow.sink."
+_MARKS_SUFFIX = ".marks"
+
+
+def _remove_snapshots(
+    update: RemoveSnapshotsUpdate, base_metadata: TableMetadata, context: _TableMetadataUpdateContext
+) -> TableMetadata:
+    removing = set(update.snapshot_ids)
+    referenced = {ref.snapshot_id for ref in base_metadata.refs.values()}
+    if removing & referenced:
+        raise CommitFailedException(
+            f"cannot expire snapshots still referenced by a branch or tag: {removing & referenced}"
+        )
+    context.add_update(update)
+    return base_metadata.model_copy(
+        update={
+            "snapshots": [s for s in base_metadata.snapshots if s.snapshot_id not in removing],
+            "snapshot_log": [e for e in base_metadata.snapshot_log if e.snapshot_id not in removing],
+            "last_updated_ms": datetime_to_millis(datetime.now().astimezone()),
+        }
+    )
+
+
+if RemoveSnapshotsUpdate not in _apply_table_update.registry:
+    _apply_table_update.register(RemoveSnapshotsUpdate)(_remove_snapshots)
+
+
+def _retrying(what: str, attempt_fn: Callable[[], Any], max_attempts: int) -> tuple[Any, int]:
+    for attempt in range(1, max_attempts + 1):
+        try:
+            return attempt_fn(), attempt
+        except (CommitFailedException, sqlalchemy.exc.OperationalError) as exc:
+            log.info("%s attempt %d lost a race (%s); starting over", what, attempt, exc)
+            time.sleep(min(2.0, 0.05 * attempt) * (0.5 + random.random()))
+    raise CommitFailedException(f"{what}: gave up after {max_attempts} attempts")
+
+
+@dataclass
+class ExpireResult:
+    expired: list[int] = field(default_factory=list)
+    kept: int = 0
+    attempts: int = 0
+    marks_saved: dict[str, str] = field(default_factory=dict)
+
+
+def _sink_marks_in_summaries(table: Table) -> dict[str, str]:
+    """Each sink's newest marks in the ancestry merged with its table property, where that changes it."""
+    newest: dict[str, str] = {}
+    for snapshot in ancestors_of(table.current_snapshot(), table.metadata):
+        extra = snapshot.summary.additional_properties if snapshot.summary is not None else {}
+        for key, value in extra.items():
+            if key.startswith(_MARKS_PREFIX) and key.endswith(_MARKS_SUFFIX) and key not in newest:
+                newest[key] = value
+    merged: dict[str, str] = {}
+    for key, value in newest.items():
+        combined = encode_marks(merge_marks(decode_marks(value), decode_marks(table.properties.get(key))))
+        if combined != table.properties.get(key):
+            merged[key] = combined
+    return merged
+
+
+def expire_snapshots(
+    load_table: Callable[[], Table],
+    keep_last: int = 1,
+    older_than_ms: int | None = None,
+    max_attempts: int = 50,
+) -> ExpireResult:
+    """Removes snapshots from the metadata: all but the newest ``keep_last`` of the current ancestry, and (if
+    given) only those committed before ``older_than_ms`` (epoch millis). Snapshots a branch or tag points at
+    are kept.
+
+    Before the summaries go, each sink's marks are merged into its table property in the same commit, so a
+    sink's replay protection never depends on snapshot history.
+    """
+    if keep_last < 1:
+        raise ValueError("keep_last must be at least 1 (the current snapshot)")
+    result = ExpireResult()
+
+    def attempt() -> None:
+        table = load_table()
+        current = table.current_snapshot()
+        if current is None:
+            return
+        keep = {s.snapshot_id for s in list(ancestors_of(current, table.metadata))[:keep_last]}
+        keep |= {ref.snapshot_id for ref in table.metadata.refs.values()}
+        doomed = [
+            s.snapshot_id
+            for s in table.metadata.snapshots
+            if s.snapshot_id not in keep and (older_than_ms is None or s.timestamp_ms < older_than_ms)
+        ]
+        result.kept = len(table.metadata.snapshots) - len(doomed)
+        result.expired = doomed
+        if not doomed:
+            return
+        saved = _sink_marks_in_summaries(table)
+        result.marks_saved = saved
+        tx = table.transaction()
+        if saved:
+            tx.set_properties(saved)
+        tx._apply(
+            (RemoveSnapshotsUpdate.model_validate({"snapshot-ids": doomed}),),
+            (AssertRefSnapshotId.model_validate({"ref": "main", "snapshot-id": current.snapshot_id}),),
+        )
+        tx.commit_transaction()
+
+    _, result.attempts = _retrying("expire snapshots", attempt, max_attempts)
+    return result
+
+
+@dataclass
+class CompactResult:
+    files_removed: int = 0
+    files_added: int = 0
+    rows_rewritten: int = 0
+    bytes_removed: int = 0
+    attempts: int = 0
+    snapshot_id: int | None = None
+
+
+def compact_files(
+    load_table: Callable[[], Table],
+    small_file_bytes: int = 32 * 1024 * 1024,
+    min_input_files: int = 2,
+    max_group_bytes: int = 512 * 1024 * 1024,
+    max_attempts: int = 50,
+) -> CompactResult:
+    """Rewrites data files smaller than ``small_file_bytes`` into larger ones, per partition, in one overwrite
+    commit.
+
+    Groups with fewer than ``min_input_files`` small files are left alone; a group is read into memory, so
+    ``max_group_bytes`` (of Parquet input) bounds it. Files with delete files attached are skipped. The commit
+    deletes exactly the files it read and adds the rewritten ones, based on the head it read; a concurrent
+    commit fails it and it starts over from the new head, so rows are never lost or doubled.
+    """
+    result = CompactResult()
+
+    def attempt() -> None:
+        table = load_table()
+        current = table.current_snapshot()
+        result.files_removed = result.files_added = result.rows_rewritten = result.bytes_removed = 0
+        if current is None:
+            return
+        groups: dict[tuple[int, str], list[Any]] = {}
+        for task in table.scan(snapshot_id=current.snapshot_id).plan_files():
+            data_file = task.file
+            if task.delete_files or data_file.file_size_in_bytes >= small_file_bytes:
+                continue
+            groups.setdefault((data_file.spec_id, repr(data_file.partition)), []).append(task)
+        chosen = []
+        for tasks in groups.values():
+            tasks.sort(key=lambda t: t.file.file_size_in_bytes)
+            batch: list[Any] = []
+            size = 0
+            for task in tasks:
+                if batch and size + task.file.file_size_in_bytes > max_group_bytes:
+                    if len(batch) >= min_input_files:
+                        chosen.append(batch)
+                    batch, size = [], 0
+                batch.append(task)
+                size += task.file.file_size_in_bytes
+            if len(batch) >= min_input_files:
+                chosen.append(batch)
+        if not chosen:
+            result.snapshot_id = current.snapshot_id
+            return
+        tx = table.transaction()
+        counter = itertools.count(0)  # one numbering for all groups: file names must not repeat within a commit
+        with tx.update_snapshot(snapshot_properties={"beamflow.maintenance": "compact"}).overwrite() as rewrite:
+            for group in chosen:
+                rows = ArrowScan(tx.table_metadata, table.io, table.schema(), AlwaysTrue()).to_table(group)
+                for task in group:
+                    rewrite.delete_data_file(task.file)
+                    result.files_removed += 1
+                    result.bytes_removed += task.file.file_size_in_bytes
+                for new_file in _dataframe_to_data_files(
+                    table_metadata=tx.table_metadata,
+                    df=rows,
+                    io=table.io,
+                    write_uuid=rewrite.commit_uuid,
+                    counter=counter,
+                ):
+                    rewrite.append_data_file(new_file)
+                    result.files_added += 1
+                result.rows_rewritten += rows.num_rows
+        committed = tx.commit_transaction()
+        snap = committed.current_snapshot()
+        result.snapshot_id = snap.snapshot_id if snap else None
+
+    _, result.attempts = _retrying("compact files", attempt, max_attempts)
+    return result

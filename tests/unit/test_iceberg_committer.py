@@ -1,0 +1,88 @@
+"""Pure parts of the Iceberg sink: marks arithmetic, coordinate handling, catalog config, CLI wiring."""
+
+from __future__ import annotations
+
+import argparse
+
+import pyarrow as pa
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from beamflow.cli import iceberg as iceberg_cli
+from beamflow.iceberg.catalog import CatalogConfig, postgres_catalog_uri
+from beamflow.iceberg.committer import (
+    CoordinateFields,
+    batch_marks,
+    decode_marks,
+    encode_marks,
+    marks_property,
+    merge_marks,
+    rows_to_arrow,
+)
+
+pytestmark = pytest.mark.unit
+
+marks_strategy = st.dictionaries(
+    st.sampled_from(["a", "b", "c"]),
+    st.dictionaries(st.integers(0, 5), st.integers(0, 10_000), max_size=4),
+    max_size=3,
+)
+
+
+@given(marks_strategy, marks_strategy)
+def test_merged_marks_never_move_backwards(old: dict[str, dict[int, int]], new: dict[str, dict[int, int]]) -> None:
+    merged = merge_marks(old, new)
+    for source in (old, new):
+        for topic, parts in source.items():
+            for partition, offset in parts.items():
+                assert merged[topic][partition] >= offset
+    assert merge_marks(new, old) == merged
+    assert decode_marks(encode_marks(merged)) == {t: p for t, p in merged.items()}
+
+
+def test_batch_marks_take_the_highest_offset_per_partition() -> None:
+    rows = rows_to_arrow(
+        [
+            {"id": 1, "_kafka": {"topic": "t", "partition": 0, "offset": 7}},
+            {"id": 2, "_kafka": {"topic": "t", "partition": 0, "offset": 3}},
+            {"id": 3, "_kafka": {"topic": "t", "partition": 1, "offset": 0}},
+            {"id": 4, "_kafka": {"topic": "u", "partition": 0, "offset": 9}},
+        ]
+    )
+    assert rows.column_names == ["id", "topic", "partition", "offset"]
+    assert rows.schema.field("offset").type == pa.int64()
+    assert batch_marks(rows) == {"t": {0: 7, 1: 0}, "u": {0: 9}}
+
+
+def test_custom_coordinate_field_names() -> None:
+    fields = CoordinateFields(topic="kt", partition="kp", offset="ko")
+    rows = rows_to_arrow([{"kt": "x", "kp": 2, "ko": 11}, {"kt": "x", "kp": 2, "ko": 12}], fields)
+    assert batch_marks(rows, fields) == {"x": {2: 12}}
+
+
+@pytest.mark.parametrize("bad", ["", "run id", "job/1", "a" * 200])
+def test_sink_id_must_be_a_plain_stable_name(bad: str) -> None:
+    with pytest.raises(ValueError, match="sink_id"):
+        marks_property(bad)
+    assert marks_property("impressions-v1") == "beamflow.sink.impressions-v1.marks"
+
+
+def test_catalog_uris() -> None:
+    assert postgres_catalog_uri("postgresql://u@127.0.0.1:5/db") == "postgresql+psycopg2://u@127.0.0.1:5/db"
+    pg = CatalogConfig(warehouse="/w", uri="postgresql://u@h/db")
+    assert pg.catalog_uri() == "postgresql+psycopg2://u@h/db"
+    assert CatalogConfig(warehouse="/w").catalog_uri() == "sqlite:////w/catalog.db"
+    assert CatalogConfig(warehouse="/w").warehouse_uri() == "file:///w"
+    with pytest.raises(ValueError):
+        postgres_catalog_uri("mysql://x")
+
+
+def test_cli_offers_both_spellings_of_audit() -> None:
+    parser = argparse.ArgumentParser()
+    iceberg_cli.register(parser.add_subparsers(dest="command"))
+    one = parser.parse_args(["iceberg", "audit", "ns.t", "--warehouse", "/w"])
+    two = parser.parse_args(["audit", "iceberg", "ns.t", "--warehouse", "/w", "--json"])
+    assert one.func is two.func is iceberg_cli.run_audit
+    expire = parser.parse_args(["iceberg", "expire", "ns.t", "--warehouse", "/w", "--keep", "3"])
+    assert (expire.func, expire.keep) == (iceberg_cli.run_expire, 3)
