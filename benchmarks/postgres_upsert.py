@@ -113,9 +113,7 @@ def writer_upsert(dsn: str, dict_rows: list[dict[str, Any]], replay: bool) -> fl
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=200_000)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
@@ -136,9 +134,7 @@ def main() -> int:
             "bare COPY text, empty table": lambda: bare_copy(dsn, rows, binary=False),
             "bare COPY binary, empty table": lambda: bare_copy(dsn, rows, binary=True),
             "PostgresUpsertWriter, empty table": lambda: writer_upsert(dsn, dict_rows, replay=False),
-            "PostgresUpsertWriter, replay into full table": lambda: writer_upsert(
-                dsn, dict_rows, replay=True
-            ),
+            "PostgresUpsertWriter, replay into full table": lambda: writer_upsert(dsn, dict_rows, replay=True),
             "executemany INSERT ON CONFLICT": lambda: executemany_upsert(dsn, rows),
         }
         times: dict[str, list[float]] = {name: [] for name in variants}
@@ -148,9 +144,7 @@ def main() -> int:
         rates = {name: args.rows / statistics.median(ts) for name, ts in times.items()}
         base_text = rates["bare COPY text, empty table"]
         base_binary = rates["bare COPY binary, empty table"]
-        print(
-            f"\n{args.rows:,} rows, {BATCH:,} rows per transaction, median of {args.repeats} interleaved runs"
-        )
+        print(f"\n{args.rows:,} rows, {BATCH:,} rows per transaction, median of {args.repeats} interleaved runs")
         print(f"{'variant':48} {'rows/s':>10} {'vs COPY text':>13} {'vs COPY binary':>15}")
         for name, rate in rates.items():
             print(f"{name:48} {rate:10,.0f} {rate / base_text:12.2f}x {rate / base_binary:14.2f}x")

@@ -1,0 +1,107 @@
+"""Which database errors are worth retrying, which are the data's fault, and the backoff between attempts."""
+
+from __future__ import annotations
+
+import logging
+import random
+import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import psycopg
+import psycopg_pool
+
+__all__ = ["RetryPolicy", "error_code", "error_message", "is_data_error", "is_transient"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# SQLSTATE classes/codes that mean "try again": connection exceptions, operator intervention (admin shutdown,
+# crash shutdown, cannot connect now), serialization failure, deadlock, insufficient resources, lock not
+# available.
+_TRANSIENT_PREFIXES = ("08", "57P", "53", "40001", "40P01", "55P03", "55006", "58030")
+# Data exceptions and integrity violations: the rows are at fault; retrying cannot help, isolating them can.
+_DATA_PREFIXES = ("22", "23", "42804", "54000")
+
+
+def error_code(exc: BaseException) -> str:
+    """The SQLSTATE of a server error, else the exception class name."""
+    sqlstate = getattr(exc, "sqlstate", None)
+    return str(sqlstate) if sqlstate else type(exc).__name__
+
+
+def error_message(exc: BaseException) -> str:
+    """The database's message (primary, detail, hint; without the COPY context line numbers of a batch)."""
+    diag = getattr(exc, "diag", None)
+    primary = getattr(diag, "message_primary", None) if diag is not None else None
+    if not primary:
+        return str(exc).strip() or type(exc).__name__
+    parts = [primary]
+    detail = getattr(diag, "message_detail", None)
+    if detail:
+        parts.append(f"DETAIL: {detail}")
+    column = getattr(diag, "column_name", None)
+    if column and column not in primary:
+        parts.append(f"COLUMN: {column}")
+    return " ".join(parts)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Connection lost, server shutting down or restarting, serialization failure, deadlock, no pool slot."""
+    if isinstance(exc, psycopg_pool.PoolTimeout | psycopg_pool.TooManyRequests):
+        return True
+    sqlstate = getattr(exc, "sqlstate", None)
+    if sqlstate:
+        return str(sqlstate).startswith(_TRANSIENT_PREFIXES)
+    # No SQLSTATE: a client-side condition. Lost or closed connections surface as
+    # OperationalError/InterfaceError.
+    return isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError)
+
+
+def is_data_error(exc: BaseException) -> bool:
+    """The rows are at fault: a data/integrity error from the server, or a value the client cannot encode."""
+    sqlstate = getattr(exc, "sqlstate", None)
+    if sqlstate:
+        return str(sqlstate).startswith(_DATA_PREFIXES)
+    if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
+        return False
+    # Client-side adaptation: psycopg.DataError/ProgrammingError ("cannot adapt type"), or the dumpers' own
+    # errors.
+    return isinstance(
+        exc,
+        psycopg.DataError | psycopg.ProgrammingError | TypeError | ValueError | OverflowError | struct.error,
+    )
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Exponential backoff, full jitter: attempt n sleeps uniform(0, min(max_delay, base_delay * 2**n))."""
+
+    max_attempts: int = 12
+    base_delay: float = 0.1
+    max_delay: float = 5.0
+    max_elapsed: float = 120.0
+
+    def delay(self, attempt: int) -> float:
+        return random.uniform(0, min(self.max_delay, self.base_delay * (2**attempt)))
+
+    def call(self, fn: Callable[[], T], on_retry: Callable[[BaseException], None] | None = None) -> T:
+        """Runs ``fn``; on a transient error sleeps and tries again; re-raises anything else, or when out of
+        budget."""
+        started = time.monotonic()
+        attempt = 0
+        while True:
+            try:
+                return fn()
+            except Exception as exc:
+                attempt += 1
+                elapsed = time.monotonic() - started
+                if not is_transient(exc) or attempt >= self.max_attempts or elapsed >= self.max_elapsed:
+                    raise
+                pause = self.delay(attempt)
+                log.warning("transient database error (attempt %d, retrying in %.2fs): %s", attempt, pause, exc)
+                if on_retry is not None:
+                    on_retry(exc)
+                time.sleep(pause)
