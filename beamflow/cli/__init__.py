@@ -30,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    # Beam logs every type-hint conversion and optional-module probe at INFO; keep its warnings only.
+    logging.getLogger("apache_beam").setLevel(logging.WARNING)
     args = build_parser().parse_args(argv)
     result: int = args.func(args)
     return result

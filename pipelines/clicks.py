@@ -1,0 +1,318 @@
+"""The clicks job (seed 000): Kafka Avro clicks -> event ids -> dedup -> Iceberg impressions + PostgreSQL sessions.
+
+::
+
+    python -m pipelines.clicks                       # pinned local runner against the local services
+    python -m pipelines.clicks --runner=FlinkRunner  # the same job on the Flink session cluster
+    python -m pipelines.clicks --conf conf/clicks.yaml --set kafka.bounded=false
+
+Stages: ReadFromKafka (offsets committed on finalize) -> DecodeAvro through the registry (dead letters aside) ->
+AttachEventId from the event's identifying fields -> DeduplicateEvents (duplicates to a quarantine table) -> two
+branches: raw impressions into the exactly-once Iceberg sink, and 10-minute session windows per user_id with hot-key
+aggregation into the versioned PostgreSQL upsert sink (late panes replace earlier results). Every rejected input of
+every stage ends in the dead-letter table with its reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import hashlib
+import logging
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import apache_beam as beam
+from apache_beam.runners.runner import PipelineResult
+from apache_beam.transforms.window import Sessions
+
+from beamflow.aggregates import SessionClicksFn
+from beamflow.config import load_config, resolve_auto
+from beamflow.deadletter import DeadLetter
+from beamflow.generate import EVENT_ID_FIELDS, load_click_schema
+from beamflow.iceberg.catalog import CatalogConfig
+from beamflow.postgres.table import TableSpec
+from transforms.attach_event_id import AttachEventId
+from transforms.decode_avro import DecodeAvro
+from transforms.deduplicate import DeduplicateEvents, QuarantinedEvent
+from transforms.hot_key_aggregate import HotKeyAggregate, HotKeyDetection, WindowedAggregate
+from transforms.read_from_kafka import ReadFromKafka, StartPolicy, StopPolicy
+from transforms.write_to_iceberg import WriteToIceberg
+from transforms.write_to_postgres import WriteToPostgres
+
+__all__ = ["SESSIONS_SPEC", "ClicksJob", "build_pipeline", "dead_letter_spec", "main", "quarantine_spec"]
+
+_LOG = logging.getLogger("pipelines.clicks")
+DEFAULT_CONF = "conf/clicks.yaml"
+
+
+def sessions_spec(table: str) -> TableSpec:
+    return TableSpec(
+        table,
+        key=("user_id", "session_start"),
+        version=("pane_index",),
+        columns={
+            "user_id": "text NOT NULL",
+            "session_start": "timestamptz NOT NULL",
+            "session_end": "timestamptz NOT NULL",
+            "impressions": "bigint NOT NULL",
+            "clicks": "bigint NOT NULL",
+            "first_event": "timestamptz",
+            "last_event": "timestamptz",
+            "events": "bigint NOT NULL",
+            "pane_index": "bigint NOT NULL",
+            "is_final": "boolean NOT NULL",
+        },
+    )
+
+
+SESSIONS_SPEC = sessions_spec("click_sessions")
+
+
+def dead_letter_spec(table: str) -> TableSpec:
+    # Immutable rows keyed by a digest of where the input came from and why: replays add nothing.
+    return TableSpec(
+        table,
+        key=("dead_letter_id",),
+        columns={
+            "dead_letter_id": "text NOT NULL",
+            "stage": "text NOT NULL",
+            "reason": "text NOT NULL",
+            "error": "text",
+            "topic": "text",
+            "kafka_partition": "integer",
+            "kafka_offset": "bigint",
+            "record_key": "bytea",
+            "payload": "bytea NOT NULL",
+        },
+    )
+
+
+def quarantine_spec(table: str) -> TableSpec:
+    return TableSpec(
+        table,
+        key=("topic", "kafka_partition", "kafka_offset"),
+        columns={
+            "topic": "text NOT NULL",
+            "kafka_partition": "integer NOT NULL",
+            "kafka_offset": "bigint NOT NULL",
+            "event_id": "text",
+            "reason": "text NOT NULL",
+            "event_time": "timestamptz",
+            "first_seen": "timestamptz",
+        },
+    )
+
+
+def _utc(ms: int | float) -> dt.datetime:
+    return dt.datetime.fromtimestamp(ms / 1000.0, tz=dt.UTC)
+
+
+def dead_letter_row(dead: DeadLetter) -> dict[str, Any]:
+    identity = hashlib.blake2b(digest_size=16)
+    for part in (dead.stage, dead.topic, dead.partition, dead.offset):
+        identity.update(repr(part).encode() + b"\x00")
+    if dead.offset is None:  # no coordinates: the payload itself identifies the input
+        identity.update(dead.payload)
+    return {
+        "dead_letter_id": identity.hexdigest(),
+        "stage": dead.stage,
+        "reason": dead.reason,
+        "error": dead.error,
+        "topic": dead.topic,
+        "kafka_partition": dead.partition,
+        "kafka_offset": dead.offset,
+        "record_key": dead.key,
+        "payload": dead.payload,
+    }
+
+
+def quarantine_row(q: QuarantinedEvent) -> dict[str, Any]:
+    kafka = q.event["_kafka"]
+    return {
+        "topic": kafka["topic"],
+        "kafka_partition": kafka["partition"],
+        "kafka_offset": kafka["offset"],
+        "event_id": None if q.event_id is None else str(q.event_id),
+        "reason": q.reason,
+        "event_time": q.event_time.to_utc_datetime(has_tz=True),
+        "first_seen": q.first_seen.to_utc_datetime(has_tz=True) if q.first_seen is not None else None,
+    }
+
+
+def session_row(agg: WindowedAggregate) -> dict[str, Any]:
+    clicks = agg.value
+    return {
+        "user_id": agg.key,
+        "session_start": agg.window_start.to_utc_datetime(has_tz=True),
+        "session_end": agg.window_end.to_utc_datetime(has_tz=True),
+        "impressions": clicks.impressions,
+        "clicks": clicks.clicks,
+        "first_event": _utc(clicks.first_event_time) if clicks.first_event_time is not None else None,
+        "last_event": _utc(clicks.last_event_time) if clicks.last_event_time is not None else None,
+        "events": agg.input_count,
+        "pane_index": agg.pane_index,
+        "is_final": agg.is_last,
+    }
+
+
+def click_event(decoded: dict[str, Any]) -> dict[str, Any]:
+    """A decoded click with event time as epoch milliseconds (Avro's timestamp-millis decodes to a datetime)."""
+    event = dict(decoded)
+    when = event["event_time"]
+    if isinstance(when, dt.datetime):
+        event["event_time"] = int(when.timestamp() * 1000)
+    return event
+
+
+def impression_row(event: dict[str, Any]) -> dict[str, Any]:
+    """The Iceberg row: the event's fields, its id, its Kafka coordinates and event time as a timestamp."""
+    kafka = event["_kafka"]
+    row = {k: v for k, v in event.items() if k != "_kafka"}
+    row["event_time"] = _utc(event["event_time"])
+    row["_kafka"] = {"topic": kafka["topic"], "partition": kafka["partition"], "offset": kafka["offset"]}
+    return row
+
+
+@dataclass
+class ClicksJob:
+    """The pipeline's outputs, for tests and the demo."""
+
+    read: beam.PCollection
+    unique: beam.PCollection
+    dead_letters: beam.PCollection
+    quarantine: beam.PCollection
+    sessions: beam.PCollection
+
+
+def build_pipeline(p: beam.Pipeline, config: dict[str, Any]) -> ClicksJob:
+    kafka, pg, ice = config["kafka"], config["postgres"], config["iceberg"]
+    sessions_conf, dedup_conf = config["sessions"], config["dedup"]
+
+    records = p | "ReadClicks" >> ReadFromKafka(
+        kafka["bootstrap"],
+        [kafka["topic"]],
+        group_id=kafka["group_id"],
+        backend=kafka.get("backend", "confluent"),
+        start=StartPolicy(kafka.get("start", "earliest")),
+        stop=StopPolicy(at_end_offsets=bool(kafka.get("bounded", False))),
+        max_delay_ms=int(kafka.get("max_delay_ms", 0)),
+        idle_timeout_ms=kafka.get("idle_timeout_ms"),
+    )
+    decoded = records | "DecodeAvro" >> DecodeAvro(config["registry"]["url"], reader_schema=load_click_schema(2))
+    events = (
+        decoded.decoded
+        | "ToClickEvents" >> beam.Map(click_event)
+        | "WithEventId" >> AttachEventId(fields=EVENT_ID_FIELDS)
+    )
+    dedup = events | "Deduplicate" >> DeduplicateEvents(ttl=int(dedup_conf.get("ttl_s", 86400)))
+
+    catalog = CatalogConfig(warehouse=ice["catalog"]["warehouse"], uri=ice["catalog"].get("uri", ""))
+    iceberg = (
+        dedup.unique
+        | "ToImpressionRows" >> beam.Map(impression_row)
+        | "WriteImpressions"
+        >> WriteToIceberg(
+            ice["table"],
+            catalog,
+            sink_id=ice["sink_id"],
+            commit_interval_s=float(ice.get("commit_interval_s", 60)),
+            partition_by=[("event_time", "day")],
+        )
+    )
+
+    detection: HotKeyDetection | None = None
+    if sessions_conf.get("detect_hot_keys") and kafka.get("bounded"):
+        detection = HotKeyDetection()
+    sessions = (
+        dedup.unique
+        | "KeyByUser" >> beam.Map(lambda e: (e["user_id"], e))
+        | "SessionAggregates"
+        >> HotKeyAggregate(
+            SessionClicksFn(),
+            windowfn=Sessions(int(sessions_conf.get("gap_s", 600))),
+            hot_keys=sessions_conf.get("hot_keys") or (),
+            detect=detection,
+            fanout=int(sessions_conf.get("fanout", 16)),
+            allowed_lateness=int(sessions_conf.get("allowed_lateness_s", 0)),
+            shard_by=lambda e: e["event_id"],
+        )
+        | "ToSessionRows" >> beam.Map(session_row)
+    )
+    session_dead = sessions | "WriteSessions" >> WriteToPostgres(
+        pg["dsn"], sessions_spec(pg["sessions_table"]), create=True
+    )
+    quarantine = dedup.quarantine | "ToQuarantineRows" >> beam.Map(quarantine_row)
+    quarantine_dead = quarantine | "WriteQuarantine" >> WriteToPostgres(
+        pg["dsn"], quarantine_spec(pg["quarantine_table"]), create=True
+    )
+    dead_letters = (
+        decoded.dead_letters,
+        iceberg.dead_letter,
+        session_dead,
+        quarantine_dead,
+    ) | "AllDeadLetters" >> beam.Flatten()
+    dlq_dead = (
+        dead_letters
+        | "ToDeadLetterRows" >> beam.Map(dead_letter_row)
+        | "WriteDeadLetters" >> WriteToPostgres(pg["dsn"], dead_letter_spec(pg["dead_letters_table"]), create=True)
+    )
+    # The dead-letter table is the last resort: if it rejects a row, the job fails rather than lose it.
+    dlq_dead | "FailOnLostDeadLetter" >> beam.Map(_refuse_lost_dead_letter)
+    return ClicksJob(records, dedup.unique, dead_letters, dedup.quarantine, sessions)
+
+
+def _refuse_lost_dead_letter(dead: DeadLetter) -> None:
+    raise RuntimeError(f"the dead-letter table rejected a dead letter ({dead.reason}); refusing to lose it")
+
+
+def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(prog="python -m pipelines.clicks", description=__doc__.split("\n")[0])
+    parser.add_argument("--conf", default=DEFAULT_CONF, help="job configuration YAML (default: %(default)s)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    parser.add_argument("--runner", default="DirectRunner", help="DirectRunner (pinned local runner) or FlinkRunner")
+    return parser.parse_known_args(argv)
+
+
+def pipeline_options(runner: str, beam_args: Sequence[str], config: dict[str, Any]) -> Any:
+    if runner == "FlinkRunner":
+        from runners.flink import flink_options
+
+        return flink_options(config.get("flink", {}), beam_args)
+    if runner not in ("DirectRunner", "FnApiRunner"):
+        raise SystemExit(f"unknown --runner {runner}: use DirectRunner or FlinkRunner")
+    from runners.direct import local_options
+
+    return local_options(beam_args)
+
+
+def run_with_config(
+    config: dict[str, Any], runner: str = "DirectRunner", beam_args: Sequence[str] = ()
+) -> PipelineResult:
+    """Builds and runs the job for an already resolved config; waits until it finishes."""
+    p = beam.Pipeline(options=pipeline_options(runner, beam_args, config))
+    build_pipeline(p, config)
+    result = p.run()
+    result.wait_until_finish()
+    return result
+
+
+def run(argv: Sequence[str] | None = None) -> PipelineResult:
+    args, beam_args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    config = load_config(args.conf, args.set)
+    if args.runner != "FlinkRunner":
+        config.pop("flink", None)
+    return run_with_config(resolve_auto(config), args.runner, beam_args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    logging.getLogger("apache_beam").setLevel(logging.WARNING)
+    run(argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
