@@ -1,0 +1,446 @@
+"""A real Flink session cluster on 127.0.0.1 (one JobManager, one TaskManager) plus Beam's Flink job server.
+
+Everything is fetched from the registries the project may use and laid out under the cache:
+
+* the Flink distribution from PyPI: ``apache-flink`` (a wheel holding ``pyflink/bin`` and ``pyflink/conf``) and
+  ``apache-flink-libraries`` (an sdist holding ``deps/lib``, ``deps/opt``, ``deps/plugins`` and
+  ``deps/bin/bash-java-utils.jar``), unpacked into ``<cache>/flink-<version>`` (a FLINK_HOME). Neither is installed
+  into the Python environment (``apache-flink`` pins an old apache-beam).
+* Beam's Flink job server from Maven Central: the prebuilt ``beam-runners-flink-<v>-job-server`` shadow jar is not
+  served there, so the runner artifact ``beam-runners-flink-1.19`` is resolved with its runtime dependencies and
+  ``org.apache.beam.runners.flink.FlinkJobServerDriver`` is run from that classpath.
+
+The processes are started in the foreground (``bin/jobmanager.sh start-foreground`` and ``bin/taskmanager.sh
+start-foreground`` exec the JVM), each in its own process group so ``down()`` leaves no JVM behind. Every port is
+picked free and bound to 127.0.0.1; configuration lives in ``<data>/flink/conf/config.yaml`` (FLINK_CONF_DIR for the
+cluster and the job server alike, so cluster-side defaults such as the state backend, checkpoint storage and retention
+also apply to jobs the job server builds).
+
+One port binding is not ours to choose: Beam 2.62's job server uses ``--job-host`` only for the URLs it hands out and
+binds its job and artifact-staging ports on all interfaces (the expansion port does bind 127.0.0.1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from beamflow.flink_rest import FlinkRest
+from beamflow.services.base import (
+    LocalService,
+    ServiceError,
+    ServiceState,
+    free_port,
+    pid_alive,
+    port_open,
+    start_process,
+    stop_process_group,
+    wait_for_port,
+    wait_until,
+)
+from beamflow.services.fetch import maven_classpath, pypi_download
+
+__all__ = ["BEAM_VERSION", "FLINK_VERSION", "FlinkService"]
+
+FLINK_VERSION = "1.19.3"
+BEAM_VERSION = "2.62.0"
+# The runner is built against Flink 1.19.0; the client side of a 1.19.x cluster is wire compatible.
+JOB_SERVER_COORDINATES = (
+    f"org.apache.beam:beam-runners-flink-1.19:{BEAM_VERSION}",
+    # Beam's "--state_backend=rocksdb" and the cluster's "state.backend.type: rocksdb" both load RocksDB classes in
+    # the job server, where the graph is built; the runner leaves that dependency to the user.
+    "org.apache.flink:flink-statebackend-rocksdb:1.19.0",
+    # The runner logs through slf4j 1.7 (its resolved API version); without a binding its logs are lost.
+    "org.slf4j:slf4j-simple:1.7.30",
+)
+JOB_SERVER_MAIN = "org.apache.beam.runners.flink.FlinkJobServerDriver"
+
+# Cluster-wide defaults written into config.yaml; overridable through FlinkService(settings=...).
+DEFAULT_SETTINGS: dict[str, Any] = {
+    "taskmanager.numberOfTaskSlots": 4,
+    "parallelism.default": 1,
+    "jobmanager.memory.process.size": "1024m",
+    "taskmanager.memory.process.size": "1728m",
+    "state.backend.type": "rocksdb",
+    "state.backend.incremental": True,
+    "state.checkpoints.num-retained": 3,
+    "execution.checkpointing.externalized-checkpoint-retention": "RETAIN_ON_CANCELLATION",
+    "restart-strategy.type": "fixed-delay",
+    "restart-strategy.fixed-delay.attempts": 20,
+    "restart-strategy.fixed-delay.delay": "2 s",
+    # A SIGKILLed TaskManager is noticed by heartbeat; the default (50 s) makes failure drills slow.
+    "heartbeat.interval": 2000,
+    "heartbeat.timeout": 15000,
+    "jobmanager.execution.failover-strategy": "region",
+}
+
+
+class FlinkService(LocalService):
+    """Flink session cluster (JobManager + TaskManager) and Beam's Flink job server, all on 127.0.0.1.
+
+    State: ``ports`` holds ``rest`` (Flink REST/web UI), ``job`` (Beam job endpoint for ``--job_endpoint``),
+    ``artifact``, ``expansion`` and the cluster's internal ports; ``info`` holds ``flink_home``, ``conf_dir``,
+    ``checkpoints_dir``, ``savepoints_dir``, ``job_server_classpath`` and the role of each pid.
+    """
+
+    name = "flink"
+
+    def __init__(self, data_dir: Path, cache_dir: Path, settings: dict[str, Any] | None = None) -> None:
+        super().__init__(data_dir, cache_dir)
+        self.settings = {**DEFAULT_SETTINGS, **(settings or {})}
+
+    # -- paths ------------------------------------------------------------------------------------------------
+    @property
+    def flink_home(self) -> Path:
+        return self.cache_dir / f"flink-{FLINK_VERSION}"
+
+    @property
+    def conf_dir(self) -> Path:
+        return self.home / "conf"
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.home / "checkpoints"
+
+    @property
+    def savepoints_dir(self) -> Path:
+        return self.home / "savepoints"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.home / "log"
+
+    # -- install ----------------------------------------------------------------------------------------------
+    def install(self) -> None:
+        self._install_distribution()
+        self._job_server_classpath()
+
+    def _job_server_classpath(self) -> Path:
+        return maven_classpath(
+            f"beam-flink-job-server-{BEAM_VERSION}-flink-1.19", JOB_SERVER_COORDINATES, self.cache_dir
+        )
+
+    def _install_distribution(self) -> Path:
+        home = self.flink_home
+        stamp = home / ".complete"
+        if stamp.exists():
+            return home
+        wheel = pypi_download(f"apache-flink=={FLINK_VERSION}", self.cache_dir)
+        sdist = self._download_libraries_sdist()
+        staging = home.with_name(home.name + ".partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        with zipfile.ZipFile(wheel) as zf:
+            for member in zf.namelist():
+                for part in ("bin", "conf"):
+                    prefix = f"pyflink/{part}/"
+                    if member.startswith(prefix) and not member.endswith("/"):
+                        target = staging / part / member[len(prefix) :]
+                        target.parent.mkdir(parents=True, exist_ok=True)
+                        target.write_bytes(zf.read(member))
+        with tarfile.open(sdist) as tf:
+            for info in tf:
+                parts = Path(info.name).parts
+                if len(parts) < 4 or parts[1] != "deps" or not info.isfile():
+                    continue
+                section, rest = parts[2], parts[3:]
+                if section not in {"lib", "opt", "plugins", "bin"} or (section == "opt" and rest[0] == "python"):
+                    continue  # opt/python is PyFlink's own Python deps; not needed to run a cluster
+                target = staging.joinpath(section, *rest)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                source = tf.extractfile(info)
+                if source is None:
+                    continue
+                with source, open(target, "wb") as out:
+                    shutil.copyfileobj(source, out)
+        for script in (staging / "bin").iterdir():
+            if script.suffix == ".sh" or script.name == "flink":
+                script.chmod(0o755)
+        if not (staging / "lib" / f"flink-dist-{FLINK_VERSION}.jar").exists():
+            raise ServiceError(f"{sdist.name} has no deps/lib/flink-dist-{FLINK_VERSION}.jar; cannot lay out Flink")
+        shutil.rmtree(home, ignore_errors=True)
+        staging.rename(home)
+        stamp.write_text(f"apache-flink=={FLINK_VERSION}\n")
+        return home
+
+    def _download_libraries_sdist(self) -> Path:
+        """``apache-flink-libraries`` is an sdist: pip must build its metadata, which needs build isolation.
+
+        (``fetch.pypi_download`` passes ``--no-build-isolation``, which fails here: the venv has no ``wheel``.)
+        """
+        target = self.cache_dir / "pypi"
+        target.mkdir(parents=True, exist_ok=True)
+        name = f"apache-flink-libraries-{FLINK_VERSION}.tar.gz"
+        if (target / name).exists():
+            return target / name
+        result = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(target),
+             f"apache-flink-libraries=={FLINK_VERSION}"],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        if result.returncode != 0 or not (target / name).exists():
+            raise ServiceError(
+                f"pip could not download apache-flink-libraries=={FLINK_VERSION}: {result.stderr[-2000:]}"
+            )
+        return target / name
+
+    # -- configuration ----------------------------------------------------------------------------------------
+    def _java_opts(self) -> str:
+        template = yaml.safe_load((self.flink_home / "conf" / "config.yaml").read_text()) or {}
+        opts = _flatten(template).get("env.java.opts.all", "")
+        return str(opts)
+
+    def write_config(self, ports: dict[str, int]) -> Path:
+        """Writes FLINK_CONF_DIR (config.yaml + log4j files) for these ports; returns the folder."""
+        conf = self.conf_dir
+        conf.mkdir(parents=True, exist_ok=True)
+        for folder in (self.checkpoints_dir, self.savepoints_dir, self.log_dir, self.home / "tmp"):
+            folder.mkdir(parents=True, exist_ok=True)
+        for template in (self.flink_home / "conf").glob("log4j*.properties"):
+            shutil.copy(template, conf / template.name)
+        settings: dict[str, Any] = {
+            "env.java.opts.all": self._java_opts(),
+            "jobmanager.rpc.address": "127.0.0.1",
+            "jobmanager.rpc.port": ports["jobmanager_rpc"],
+            "jobmanager.bind-host": "127.0.0.1",
+            "taskmanager.host": "127.0.0.1",
+            "taskmanager.bind-host": "127.0.0.1",
+            "taskmanager.rpc.port": ports["taskmanager_rpc"],
+            "taskmanager.data.port": ports["taskmanager_data"],
+            "rest.address": "127.0.0.1",
+            "rest.bind-address": "127.0.0.1",
+            "rest.port": ports["rest"],
+            "blob.server.port": ports["blob"],
+            "queryable-state.enable": False,
+            "io.tmp.dirs": str(self.home / "tmp"),
+            "web.tmpdir": str(self.home / "tmp" / "web"),
+            "blob.storage.directory": str(self.home / "tmp" / "blob"),
+            "state.checkpoints.dir": self.checkpoints_dir.as_uri(),
+            "state.savepoints.dir": self.savepoints_dir.as_uri(),
+            **self.settings,
+        }
+        (conf / "config.yaml").write_text(yaml.safe_dump(settings, sort_keys=True))
+        (conf / "masters").write_text(f"127.0.0.1:{ports['rest']}\n")
+        (conf / "workers").write_text("127.0.0.1\n")
+        return conf
+
+    def _env(self) -> dict[str, str]:
+        return {
+            "FLINK_HOME": str(self.flink_home),
+            "FLINK_CONF_DIR": str(self.conf_dir),
+            "FLINK_LOG_DIR": str(self.log_dir),
+            # config.sh writes the JVM's pid file here when daemonizing; keep it out of /tmp.
+            "FLINK_PID_DIR": str(self.home / "tmp"),
+        }
+
+    # -- processes --------------------------------------------------------------------------------------------
+    def _start_jobmanager(self, ports: dict[str, int]) -> int:
+        argv = [
+            str(self.flink_home / "bin" / "jobmanager.sh"), "start-foreground",
+            "-D", f"metrics.internal.query-service.port={ports['jobmanager_query']}",
+        ]  # fmt: skip
+        return start_process(argv, self.log_dir / "jobmanager.out", env=self._env(), cwd=self.home).pid
+
+    def _start_taskmanager(self, ports: dict[str, int]) -> int:
+        argv = [
+            str(self.flink_home / "bin" / "taskmanager.sh"), "start-foreground",
+            "-D", f"metrics.internal.query-service.port={ports['taskmanager_query']}",
+        ]  # fmt: skip
+        return start_process(argv, self.log_dir / "taskmanager.out", env=self._env(), cwd=self.home).pid
+
+    def _start_job_server(self, ports: dict[str, int]) -> int:
+        classpath = self._job_server_classpath()
+        argv = [
+            "java", *self._java_opts().split(), "-Xmx768m",
+            "-Dorg.slf4j.simpleLogger.defaultLogLevel=info",
+            "-Dorg.slf4j.simpleLogger.showDateTime=true",
+            "-Dorg.slf4j.simpleLogger.dateTimeFormat=yyyy-MM-dd HH:mm:ss.SSS",
+            "-cp", f"{classpath}/*", JOB_SERVER_MAIN,
+            f"--flink-master=127.0.0.1:{ports['rest']}",
+            f"--flink-conf-dir={self.conf_dir}",
+            "--job-host=127.0.0.1",
+            f"--job-port={ports['job']}",
+            f"--artifact-port={ports['artifact']}",
+            f"--expansion-port={ports['expansion']}",
+            f"--artifacts-dir={self.home / 'artifacts'}",
+        ]  # fmt: skip
+        return start_process(argv, self.log_dir / "jobserver.out", env=self._env(), cwd=self.home).pid
+
+    def _start(self) -> ServiceState:
+        names = ("rest", "jobmanager_rpc", "blob", "jobmanager_query", "taskmanager_rpc", "taskmanager_data",
+                 "taskmanager_query", "job", "artifact", "expansion")  # fmt: skip
+        ports: dict[str, int] = {}
+        while len(ports) < len(names):  # free_port can hand back the same number twice
+            port = free_port()
+            if port not in ports.values():
+                ports[names[len(ports)]] = port
+        self.write_config(ports)
+        timings: dict[str, float] = {}
+        started = time.monotonic()
+        roles: dict[str, int] = {}
+        state = ServiceState(name=self.name, ports=ports)
+        try:
+            roles["jobmanager"] = self._start_jobmanager(ports)
+            roles["taskmanager"] = self._start_taskmanager(ports)
+            # The job server talks to the cluster only when a job is submitted, so all three JVMs boot together.
+            roles["job_server"] = self._start_job_server(ports)
+            state.pids = list(roles.values())
+            rest = FlinkRest(f"http://127.0.0.1:{ports['rest']}")
+            _wait(lambda: _cluster_ready(rest, roles), 180, f"Flink REST /overview on 127.0.0.1:{ports['rest']}")
+            timings["cluster_s"] = round(time.monotonic() - started, 1)
+            _wait(
+                lambda: _alive(roles) and port_open(ports["job"]),
+                180, f"Beam Flink job server on 127.0.0.1:{ports['job']}",
+            )  # fmt: skip
+            timings["total_s"] = round(time.monotonic() - started, 1)
+        except BaseException as exc:
+            for pid in reversed(state.pids):
+                stop_process_group(pid, timeout=10)
+            if isinstance(exc, ServiceError):
+                raise ServiceError(f"{exc} (logs in {self.log_dir})") from exc
+            raise
+        state.info = {
+            "flink_home": str(self.flink_home),
+            "conf_dir": str(self.conf_dir),
+            "checkpoints_dir": str(self.checkpoints_dir),
+            "savepoints_dir": str(self.savepoints_dir),
+            "log_dir": str(self.log_dir),
+            "rest_url": f"http://127.0.0.1:{ports['rest']}",
+            "job_endpoint": f"127.0.0.1:{ports['job']}",
+            "job_server_classpath": str(self._job_server_classpath()),
+            "roles": roles,
+            "startup": timings,
+            "flink_version": FLINK_VERSION,
+            "beam_version": BEAM_VERSION,
+        }
+        return state
+
+    def ready(self, state: ServiceState) -> bool:
+        rest = FlinkRest(f"http://127.0.0.1:{state.ports['rest']}", timeout=5)
+        return _cluster_ready(rest, state.info.get("roles", {})) and port_open(state.ports["job"])
+
+    # -- failure drills ---------------------------------------------------------------------------------------
+    def kill(self, role: str) -> int:
+        """SIGKILLs one process (``jobmanager``, ``taskmanager`` or ``job_server``) like a crash; returns its pid."""
+        state = self._require_state()
+        roles: dict[str, int] = state.info.get("roles", {})
+        if role not in roles:
+            raise ServiceError(f"unknown Flink role {role!r}; known: {', '.join(roles)}")
+        pid = roles[role]
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(os.getpgid(pid), signal.SIGKILL)
+        wait_until(lambda: not pid_alive(pid), 30, f"{role} pid {pid} to die")
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(pid, os.WNOHANG)
+        return pid
+
+    def restart(self, role: str, wait: bool = True) -> ServiceState:
+        """Starts ``role`` again on the same ports (after ``kill``); with ``wait``, until the cluster answers again."""
+        state = self._require_state()
+        roles: dict[str, int] = dict(state.info.get("roles", {}))
+        old = roles.get(role)
+        if old is not None and pid_alive(old):
+            raise ServiceError(f"{role} (pid {old}) is still running; kill it first")
+        start = {
+            "jobmanager": self._start_jobmanager,
+            "taskmanager": self._start_taskmanager,
+            "job_server": self._start_job_server,
+        }.get(role)
+        if start is None:
+            raise ServiceError(f"unknown Flink role {role!r}")
+        rest = FlinkRest(f"http://127.0.0.1:{state.ports['rest']}")
+        known_taskmanagers: set[str] = set()
+        if role == "taskmanager":
+            with contextlib.suppress(Exception):  # the JobManager may be down too
+                known_taskmanagers = {tm["id"] for tm in rest.taskmanagers()}
+        roles[role] = start(state.ports)
+        state.info["roles"] = roles
+        state.pids = [roles[r] for r in ("jobmanager", "taskmanager", "job_server") if r in roles]
+        state.save(self.state_path)
+        if wait:
+            if role == "job_server":
+                wait_for_port(state.ports["job"], 180, "Beam Flink job server")
+            elif role == "taskmanager":
+                # The JobManager still lists the killed TaskManager until its heartbeat times out: wait for a new one.
+                _wait(
+                    lambda: _alive(roles) and bool({tm["id"] for tm in rest.taskmanagers()} - known_taskmanagers),
+                    180, "the restarted TaskManager to register",
+                )  # fmt: skip
+            else:
+                _wait(lambda: _cluster_ready(rest, roles), 180, f"Flink cluster after restarting the {role}")
+        return state
+
+    def kill_taskmanager(self) -> int:
+        return self.kill("taskmanager")
+
+    def restart_taskmanager(self, wait: bool = True) -> ServiceState:
+        return self.restart("taskmanager", wait)
+
+    def kill_jobmanager(self) -> int:
+        return self.kill("jobmanager")
+
+    def restart_jobmanager(self, wait: bool = True) -> ServiceState:
+        return self.restart("jobmanager", wait)
+
+    def rest(self) -> FlinkRest:
+        return FlinkRest(f"http://127.0.0.1:{self._require_state().ports['rest']}")
+
+    def _require_state(self) -> ServiceState:
+        state = self.state()
+        if state is None or not state.ports:
+            raise ServiceError(f"Flink is not running under {self.home}; start it with `beamflow services up flink`")
+        return state
+
+
+def _alive(roles: dict[str, int]) -> bool:
+    dead = [role for role, pid in roles.items() if not pid_alive(pid)]
+    if dead:
+        raise ServiceError(f"Flink {', '.join(dead)} exited")
+    return True
+
+
+def _wait(check: Callable[[], bool], timeout: float, what: str) -> None:
+    """Like ``wait_until``, but a ServiceError from ``check`` (a process died) ends the wait at once."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if check():
+                return
+        except ServiceError:
+            raise
+        except Exception as exc:  # connection refused while the JVM boots
+            if time.monotonic() > deadline:
+                raise ServiceError(f"timed out after {timeout:.0f}s waiting for {what}: {exc}") from exc
+        if time.monotonic() > deadline:
+            raise ServiceError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.5)
+
+
+def _cluster_ready(rest: FlinkRest, roles: dict[str, int]) -> bool:
+    _alive(roles)
+    overview = rest.overview()
+    return int(overview.get("taskmanagers", 0)) >= 1 and int(overview.get("slots-total", 0)) >= 1
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested YAML (Flink's standard config.yaml) to the flat ``a.b.c`` keys Flink also accepts."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat

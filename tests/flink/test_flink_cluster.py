@@ -1,0 +1,104 @@
+"""The real Flink session cluster FlinkService starts, running a Beam Python pipeline through Beam's job server."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import apache_beam as beam
+import pytest
+from apache_beam.runners.runner import PipelineState
+
+from beamflow.flink_rest import FlinkRest
+from beamflow.services import ServiceState
+from beamflow.services.flink import FlinkService
+from beamflow.services.paths import cache_dir
+from runners.flink import options_for_service
+
+pytestmark = pytest.mark.flink
+
+
+class WriteSquare(beam.DoFn):
+    """Writes one file per element from the SDK worker: the test reads what the cluster really processed."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+
+    def process(self, element: int) -> Iterator[int]:
+        path = os.path.join(self.out_dir, f"{element}.txt")
+        with open(path, "w") as f:
+            f.write(str(element * element))
+        yield element
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    """Pids whose command line contains ``text`` (the service's data folder appears in every JVM's arguments)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            status = (entry / "stat").read_text().split(") ", 1)[1][0]
+        except OSError:
+            continue
+        if text in cmdline and status != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def test_streaming_pipeline_with_checkpoints_runs_on_the_session_cluster(flink: ServiceState, tmp_path: Path) -> None:
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    job_name = f"beamflow-test-{uuid.uuid4().hex[:8]}"
+    options = options_for_service(
+        flink,
+        {
+            "job_name": job_name,
+            "parallelism": 2,
+            "checkpointing_interval_ms": 500,
+            # A bounded source in a streaming job with checkpointing stays up forever unless told to stop.
+            "shutdown_sources_after_idle_ms": 3000,
+        },
+    )
+    pipeline = beam.Pipeline(options=options)
+    _ = pipeline | beam.Create(list(range(40))) | beam.Reshuffle() | beam.ParDo(WriteSquare(str(out_dir)))
+    result = pipeline.run()
+    assert result.wait_until_finish() == PipelineState.DONE
+
+    written = {int(p.stem): p.read_text() for p in out_dir.iterdir()}
+    assert written == {i: str(i * i) for i in range(40)}
+
+    rest = FlinkRest(flink.info["rest_url"])
+    jobs = [job for job in rest.jobs() if job.name == job_name]
+    assert len(jobs) == 1, [j.name for j in rest.jobs()]
+    assert jobs[0].state == "FINISHED"
+    # Flink takes a final checkpoint before finished tasks shut down, so at least one completed.
+    assert rest.completed_checkpoints(jobs[0].job_id) >= 1
+    job_config = rest._request("GET", f"/jobs/{jobs[0].job_id}/config")["execution-config"]
+    assert job_config["job-parallelism"] == 2
+
+
+def test_cluster_survives_a_killed_taskmanager_and_down_leaves_no_jvm(tmp_path: Path) -> None:
+    # A second, private cluster: stopping the session one would break the other Flink tests.
+    service = FlinkService(tmp_path / "data", cache_dir())
+    try:
+        state = service.up()
+        assert state.info["startup"]["total_s"] > 0
+        rest = service.rest()
+        overview = rest.overview()
+        assert overview["taskmanagers"] == 1
+        assert overview["slots-total"] >= 4
+        assert rest.config()["rest.bind-address"] == "127.0.0.1"
+
+        old_pid = service.kill_taskmanager()
+        restarted = service.restart_taskmanager()
+        assert restarted.info["roles"]["taskmanager"] != old_pid
+        assert service.ready(restarted)
+        assert len(_processes_mentioning(str(service.home))) == 3  # jobmanager, taskmanager, job server
+    finally:
+        service.down()
+    assert _processes_mentioning(str(service.home)) == []
+    assert service.status()["running"] is False

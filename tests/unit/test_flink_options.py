@@ -1,0 +1,49 @@
+"""runners/flink.py: the flink: conf section becomes FlinkRunner pipeline options and cluster settings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from runners.flink import cluster_settings, flink_flags, flink_options
+
+pytestmark = pytest.mark.unit
+
+CONF = Path(__file__).resolve().parents[2] / "conf" / "flink.yaml"
+
+
+def test_example_conf_maps_to_job_server_options_and_cluster_settings() -> None:
+    section = yaml.safe_load(CONF.read_text())["flink"]
+    flags = flink_flags(section)
+    assert "--runner=FlinkRunner" in flags
+    assert "--streaming" in flags
+    assert "--checkpointing_interval=10000" in flags
+    assert "--checkpoint_timeout_millis=120000" in flags
+    assert "--min_pause_between_checkpoints=2000" in flags
+    assert "--externalized_checkpoints_enabled" in flags
+    assert "--environment_type=LOOPBACK" in flags
+    assert "--number_of_execution_retries=10" in flags
+    settings = cluster_settings(section)
+    assert settings["state.backend.type"] == "rocksdb"
+    assert settings["state.backend.incremental"] is True
+    assert settings["state.checkpoints.num-retained"] == 3
+
+
+def test_command_line_overrides_the_conf() -> None:
+    options = flink_options({"parallelism": 2, "checkpointing_interval_ms": 1000}, ["--parallelism=4"])
+    everything = options.get_all_options(retain_unknown_options=True)
+    assert everything["parallelism"] == 4
+    assert everything["checkpointing_interval"] == "1000"
+
+
+def test_external_environment_needs_an_address_and_unknown_keys_are_refused() -> None:
+    flags = flink_flags({"environment": {"type": "EXTERNAL", "config": "localhost:50000"}})
+    assert "--environment_config=localhost:50000" in flags
+    with pytest.raises(ValueError, match="host:port"):
+        flink_flags({"environment": "EXTERNAL"})
+    with pytest.raises(ValueError, match="checkpoint_intervall"):
+        flink_flags({"checkpoint_intervall": 5})
+    with pytest.raises(ValueError, match="state_backend"):
+        flink_flags({"state_backend": "memory"})
