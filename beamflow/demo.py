@@ -16,7 +16,7 @@ from beamflow.config import load_config, resolve_auto
 from beamflow.generate import TrafficSpec, avro_click_encoder, generate_traffic, produce_traffic
 from beamflow.services import ServiceSet
 
-__all__ = ["DemoSummary", "reset_job_state", "run_demo", "audit_job"]
+__all__ = ["DemoSummary", "audit_job", "reset_job_state", "run_demo"]
 
 
 @dataclass
@@ -106,7 +106,7 @@ def audit_job(config: dict[str, Any]) -> dict[str, int]:
     out: dict[str, int] = {}
     with psycopg.connect(pg["dsn"]) as conn:
 
-        def count(query: sql.Composable) -> int:
+        def count(query: sql.Composed) -> int:
             row = conn.execute(query).fetchone()
             return int(row[0]) if row else 0
 
@@ -118,8 +118,7 @@ def audit_job(config: dict[str, Any]) -> dict[str, int]:
             out[name] = count(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(pg[key])))
         out["postgres_duplicate_ids"] = count(
             sql.SQL(
-                "SELECT count(*) FROM (SELECT user_id, session_start FROM {} "
-                "GROUP BY 1, 2 HAVING count(*) > 1) d"
+                "SELECT count(*) FROM (SELECT user_id, session_start FROM {} GROUP BY 1, 2 HAVING count(*) > 1) d"
             ).format(sql.Identifier(pg["sessions_table"]))
         )
     ice = config["iceberg"]
@@ -167,9 +166,7 @@ def run_demo(
     result = clicks.run_with_config(config)
     seconds = time.monotonic() - t0
     metrics = result.metrics()
-    read = sum(
-        r.committed or 0 for r in metrics.query(MetricsFilter().with_name("records_read"))["counters"]
-    )
+    read = sum(r.committed or 0 for r in metrics.query(MetricsFilter().with_name("records_read"))["counters"])
     progress(f"  job finished in {seconds:.1f}s; auditing the sinks")
     counts = audit_job(config)
     return DemoSummary(

@@ -1,0 +1,64 @@
+"""``beamflow doctor CONF``: a deployment checked against the seeds' failure modes, with reasons and fixes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "doctor", help="check a job config (and optionally live Kafka/Flink) for known traps"
+    )
+    parser.add_argument("conf", help="job config YAML, e.g. conf/clicks.yaml")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--kafka", default=None, help="bootstrap servers: also check partition count and record gaps")
+    parser.add_argument("--flink-rest", default=None, help="http://host:port: also read live checkpoint statistics")
+    parser.add_argument("--job-id", default=None, help="Flink job to inspect (default: the running one)")
+    parser.add_argument("--pipeline", default="pipelines.clicks", help="module whose build_pipeline() to inspect")
+    parser.add_argument("--json", action="store_true")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from beamflow.config import load_config
+    from beamflow.doctor import (
+        check_checkpoint_stats,
+        check_config,
+        check_record_gaps,
+        format_findings,
+        sample_record_gaps,
+    )
+
+    config = load_config(args.conf, args.set)
+    partitions = None
+    findings = []
+    kafka = config.get("kafka", {})
+    if args.kafka:
+        from beamflow.kafka.admin import topic_partition_count
+
+        partitions = topic_partition_count(args.kafka, kafka["topic"])
+        findings += check_record_gaps(sample_record_gaps(args.kafka, kafka["topic"]), kafka.get("idle_timeout_ms"))
+    findings = check_config(config, partitions) + findings
+    if args.pipeline:
+        import importlib
+
+        from beamflow.doctor import check_unstable_names, pipeline_labels
+
+        module = importlib.import_module(args.pipeline)
+        findings += check_unstable_names(pipeline_labels(lambda p: module.build_pipeline(p, config)))
+    if args.flink_rest:
+        from beamflow.flink_rest import FlinkRest
+
+        rest = FlinkRest(args.flink_rest)
+        job_id = args.job_id or next((j.job_id for j in rest.jobs() if j.state == "RUNNING"), None)
+        if job_id is None:
+            print("doctor: no running Flink job to inspect")
+        else:
+            stats = rest.checkpoints(job_id)
+            findings += check_checkpoint_stats(stats, (config.get("flink") or {}).get("checkpointing_interval_ms"))
+    if args.json:
+        print(json.dumps([f.__dict__ for f in findings], indent=2))
+    else:
+        format_findings(findings)
+    return 1 if any(f.severity == "error" for f in findings) else 0

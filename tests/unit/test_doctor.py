@@ -1,0 +1,84 @@
+"""beamflow doctor finds the seeds' misconfigurations, and stays quiet on the shipped config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from beamflow.config import apply_overrides, load_config
+from beamflow.doctor import check_config, check_record_gaps, check_unstable_names
+
+pytestmark = pytest.mark.unit
+
+CONF = Path(__file__).resolve().parents[2] / "conf" / "clicks.yaml"
+
+
+def _codes(config: dict[str, Any], partitions: int | None = None) -> set[str]:
+    return {f.code for f in check_config(config, partitions)}
+
+
+def test_shipped_config_has_no_errors_or_warnings() -> None:
+    findings = check_config(load_config(CONF))
+    assert [f for f in findings if f.severity in ("error", "warning")] == []
+
+
+def test_seed_000_parallelism_above_partitions() -> None:
+    config = load_config(CONF, ["flink.parallelism=96"])
+    assert "parallelism-above-partitions" in _codes(config, partitions=48)
+    assert "parallelism-above-partitions" not in _codes(config, partitions=96)
+
+
+def test_seed_002_timeout_raised_to_30_minutes_and_full_snapshots() -> None:
+    config = load_config(
+        CONF,
+        [
+            "flink.checkpointing_interval_ms=300000",
+            "flink.checkpoint_timeout_ms=1800000",
+            "flink.min_pause_between_checkpoints_ms=0",
+            "flink.incremental=false",
+            "flink.state_backend=rocksdb",
+        ],
+    )
+    codes = _codes(config)
+    assert {"checkpoint-timeout-far-above-interval", "no-min-pause", "non-incremental-state"} <= codes
+    # With the 5-minute checkpoint interval, the shipped 60 s Iceberg commit interval is now too short.
+    assert "sink-commit-shorter-than-checkpoint" in codes
+
+
+def test_source_and_sink_traps() -> None:
+    config = apply_overrides(
+        load_config(CONF),
+        ["kafka.consumer_config.enable.auto.commit=true", "kafka.idle_timeout_ms=null", "iceberg.sink_id=run-20261129"],
+    )
+    # the override path splits on dots, so set the Kafka property explicitly
+    config["kafka"]["consumer_config"] = {"enable.auto.commit": "true"}
+    findings = {f.code: f for f in check_config(config)}
+    assert findings["kafka-auto-commit"].severity == "error"
+    assert "idleness-off" in findings
+    assert findings["unstable-sink-id"].severity == "error"
+    config["flink"] = {}
+    assert "checkpointing-off" not in _codes(config)  # an empty section is "no Flink"
+    config["flink"] = {"parallelism": 2}
+    assert "checkpointing-off" in _codes(config)
+
+
+def test_idle_timeout_against_the_normal_gap() -> None:
+    assert check_record_gaps({0: 1000, 1: 90_000}, idle_timeout_ms=60_000)[0].code == "idleness-shorter-than-gap"
+    assert check_record_gaps({0: 1000, 1: 50_000}, idle_timeout_ms=60_000) == []
+
+
+def test_generated_transform_labels_are_flagged() -> None:
+    assert check_unstable_names(["ReadClicks", "Map(<lambda at clicks.py:12>)"])[0].code == "unstable-operator-names"
+    assert check_unstable_names(["ReadClicks", "WriteSessions"]) == []
+
+
+def test_clicks_pipeline_labels_are_all_stable() -> None:
+    import pipelines.clicks as clicks
+    from beamflow.doctor import pipeline_labels
+
+    config = load_config(CONF)
+    labels = pipeline_labels(lambda p: clicks.build_pipeline(p, config))
+    assert "ReadClicks" in labels and "WriteSessions" in labels
+    assert check_unstable_names(labels) == []
