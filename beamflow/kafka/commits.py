@@ -16,25 +16,22 @@ _LOG = logging.getLogger(__name__)
 class ForwardOnlyCommitter:
     """Commits ``next offset to read`` per partition, never backwards.
 
-    A late, repeated or out-of-order finalizer callback (an older bundle, or a worker restored from an older
-    checkpoint) must never move the group's offset back: the committed offset is compared with what this process
-    committed and with what the broker holds, and only a larger one is written.
+    A late, repeated or out-of-order finalizer callback (an older bundle, a worker restored from an older checkpoint,
+    a zombie second job) must never move the group's offset back. Every commit first reads what the broker holds and
+    writes only a larger offset. Kafka has no compare-and-set for offsets, so two committers racing inside one
+    round trip could still interleave; offsets are for monitoring and for starting new jobs, and the runner's
+    checkpoint, not the group offset, is the truth for resuming.
     """
 
     def __init__(self, client: KafkaConsumerClient) -> None:
         self._client = client
-        self._known: dict[TopicPartition, int] = {}
         self._lock = threading.Lock()
 
     def commit(self, tp: TopicPartition, next_offset: int) -> bool:
         with self._lock:
-            known = self._known.get(tp)
-            if known is None:
-                known = self._client.committed(tp)
-            if known is not None and next_offset <= known:
-                self._known[tp] = known
+            current = self._client.committed(tp)
+            if current is not None and next_offset <= current:
                 return False
             self._client.commit({tp: next_offset})
-            self._known[tp] = next_offset
-            _LOG.debug("committed %s at %d", tp, next_offset)
+            _LOG.debug("committed %s at %d (was %s)", tp, next_offset, current)
             return True

@@ -1,0 +1,68 @@
+"""The read transform's parts that need no broker: the duplicate-reader guard and the idle-aware watermark."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from beamflow.kafka.guard import DuplicateReaderError, exclusive_reader
+from beamflow.kafka.watermark import MIN_WATERMARK_MS, PartitionWatermark
+
+pytestmark = pytest.mark.unit
+
+
+def test_a_second_live_reader_of_a_partition_is_refused() -> None:
+    entered = threading.Event()
+    release = threading.Event()
+    errors: list[BaseException] = []
+
+    def first() -> None:
+        with exclusive_reader("b", "g", "t", 0):
+            entered.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=first)
+    holder.start()
+    assert entered.wait(10)
+    try:
+        with pytest.raises(DuplicateReaderError, match="t-0 of group g"), exclusive_reader("b", "g", "t", 0):
+            pass
+        # Another partition, another group or another cluster is not a duplicate.
+        for args in (("b", "g", "t", 1), ("b", "g2", "t", 0), ("b2", "g", "t", 0)):
+            with exclusive_reader(*args):
+                pass
+    except BaseException as exc:  # pragma: no cover - re-raised below after cleanup
+        errors.append(exc)
+    finally:
+        release.set()
+        holder.join()
+    assert not errors
+    with exclusive_reader("b", "g", "t", 0):  # released when the first reader finished
+        pass
+
+
+def test_watermark_trails_records_and_never_moves_back() -> None:
+    wm = PartitionWatermark(max_delay_ms=1000, idle_timeout_ms=None)
+    assert wm.watermark_ms == MIN_WATERMARK_MS
+    assert wm.observe_record(10_000, now_ms=0) is False
+    assert wm.watermark_ms == 9_000
+    assert wm.observe_record(8_000, now_ms=1) is True  # older than the published watermark: late, counted
+    assert wm.watermark_ms == 9_000
+    assert wm.observe_caught_up(now_ms=10**9) is False  # idleness off: a silent partition holds the watermark
+    assert wm.watermark_ms == 9_000
+
+
+def test_idle_partition_advances_to_now_minus_delay_even_without_any_record() -> None:
+    wm = PartitionWatermark(max_delay_ms=5_000, idle_timeout_ms=60_000)
+    assert wm.observe_caught_up(now_ms=1_000_000) is False  # idle clock starts
+    assert wm.watermark_ms == MIN_WATERMARK_MS
+    assert wm.observe_caught_up(now_ms=1_059_999) is False
+    assert wm.observe_caught_up(now_ms=1_060_000) is True
+    assert wm.watermark_ms == 1_055_000
+    # A record after the idle stretch restarts the clock; an older record is late.
+    assert wm.observe_record(1_000_000, now_ms=1_070_000) is True
+    assert wm.observe_caught_up(now_ms=1_080_000) is False
+    # State round-trips through the runner's checkpoint as a tuple.
+    restored = PartitionWatermark(5_000, 60_000, *wm.as_state())
+    assert restored == wm
