@@ -52,7 +52,9 @@ def sessions_spec(table: str) -> TableSpec:
     return TableSpec(
         table,
         key=("user_id", "session_start"),
-        version=("pane_index",),
+        # A late event can merge sessions; Beam restarts the pane index of the merged window at 0, but the merged
+        # session always covers more events than any part it replaces, so (events, pane_index) only grows.
+        version=("events", "pane_index"),
         columns={
             "user_id": "text NOT NULL",
             "session_start": "timestamptz NOT NULL",
@@ -167,6 +169,46 @@ def click_event(decoded: dict[str, Any]) -> dict[str, Any]:
     return event
 
 
+class _DeleteSupersededSessions(beam.DoFn):
+    """Removes session rows that a late event merged into a wider session (their start differs from the new one's).
+
+    A superseded window with the same start is the same row and is replaced by the upsert itself.
+    """
+
+    def __init__(self, dsn: str, table: str) -> None:
+        self._dsn = dsn
+        self._table = table
+
+    def setup(self) -> None:
+        from beamflow.postgres.writer import open_pool
+
+        self._pool = open_pool(self._dsn)
+
+    def teardown(self) -> None:
+        self._pool.close()
+
+    def process(self, agg: WindowedAggregate) -> None:
+        from psycopg import sql
+
+        stale = [(s, e) for s, e in agg.supersedes if s != agg.window_start]
+        if not stale:
+            return
+        statement = sql.SQL(
+            "DELETE FROM {} WHERE user_id = %s AND session_start = %s AND session_end = %s AND events < %s"
+        ).format(sql.Identifier(self._table))
+        with self._pool.connection() as conn:
+            for start, end in stale:
+                conn.execute(
+                    statement,
+                    (
+                        agg.key,
+                        start.to_utc_datetime(has_tz=True),
+                        end.to_utc_datetime(has_tz=True),
+                        agg.input_count,
+                    ),
+                )
+
+
 def impression_row(event: dict[str, Any]) -> dict[str, Any]:
     """The Iceberg row: the event's fields, its id, its Kafka coordinates and event time as a timestamp."""
     kafka = event["_kafka"]
@@ -239,10 +281,14 @@ def build_pipeline(p: beam.Pipeline, config: dict[str, Any]) -> ClicksJob:
             allowed_lateness=int(sessions_conf.get("allowed_lateness_s", 0)),
             shard_by=lambda e: e["event_id"],
         )
-        | "ToSessionRows" >> beam.Map(session_row)
     )
-    session_dead = sessions | "WriteSessions" >> WriteToPostgres(
-        pg["dsn"], sessions_spec(pg["sessions_table"]), create=True
+    session_dead = (
+        sessions
+        | "ToSessionRows" >> beam.Map(session_row)
+        | "WriteSessions" >> WriteToPostgres(pg["dsn"], sessions_spec(pg["sessions_table"]), create=True)
+    )
+    sessions | "DeleteSupersededSessions" >> beam.ParDo(
+        _DeleteSupersededSessions(pg["dsn"], pg["sessions_table"])
     )
     quarantine = dedup.quarantine | "ToQuarantineRows" >> beam.Map(quarantine_row)
     quarantine_dead = quarantine | "WriteQuarantine" >> WriteToPostgres(
