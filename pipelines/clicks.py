@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import hashlib
 import logging
 import sys
 from collections.abc import Sequence
@@ -30,7 +29,6 @@ from apache_beam.transforms.window import Sessions
 
 from beamflow.aggregates import SessionClicksFn
 from beamflow.config import load_config, resolve_auto
-from beamflow.deadletter import DeadLetter
 from beamflow.generate import EVENT_ID_FIELDS, load_click_schema
 from beamflow.iceberg.catalog import CatalogConfig
 from beamflow.postgres.table import TableSpec
@@ -39,6 +37,7 @@ from transforms.decode_avro import DecodeAvro
 from transforms.deduplicate import DeduplicateEvents, QuarantinedEvent
 from transforms.hot_key_aggregate import HotKeyAggregate, HotKeyDetection, WindowedAggregate
 from transforms.read_from_kafka import ReadFromKafka, StartPolicy, StopPolicy
+from transforms.write_dead_letters import WriteDeadLetters, dead_letter_spec
 from transforms.write_to_iceberg import WriteToIceberg
 from transforms.write_to_postgres import WriteToPostgres
 
@@ -73,25 +72,6 @@ def sessions_spec(table: str) -> TableSpec:
 SESSIONS_SPEC = sessions_spec("click_sessions")
 
 
-def dead_letter_spec(table: str) -> TableSpec:
-    # Immutable rows keyed by a digest of where the input came from and why: replays add nothing.
-    return TableSpec(
-        table,
-        key=("dead_letter_id",),
-        columns={
-            "dead_letter_id": "text NOT NULL",
-            "stage": "text NOT NULL",
-            "reason": "text NOT NULL",
-            "error": "text",
-            "topic": "text",
-            "kafka_partition": "integer",
-            "kafka_offset": "bigint",
-            "record_key": "bytea",
-            "payload": "bytea NOT NULL",
-        },
-    )
-
-
 def quarantine_spec(table: str) -> TableSpec:
     return TableSpec(
         table,
@@ -110,25 +90,6 @@ def quarantine_spec(table: str) -> TableSpec:
 
 def _utc(ms: int | float) -> dt.datetime:
     return dt.datetime.fromtimestamp(ms / 1000.0, tz=dt.UTC)
-
-
-def dead_letter_row(dead: DeadLetter) -> dict[str, Any]:
-    identity = hashlib.blake2b(digest_size=16)
-    for part in (dead.stage, dead.topic, dead.partition, dead.offset):
-        identity.update(repr(part).encode() + b"\x00")
-    if dead.offset is None:  # no coordinates: the payload itself identifies the input
-        identity.update(dead.payload)
-    return {
-        "dead_letter_id": identity.hexdigest(),
-        "stage": dead.stage,
-        "reason": dead.reason,
-        "error": dead.error,
-        "topic": dead.topic,
-        "kafka_partition": dead.partition,
-        "kafka_offset": dead.offset,
-        "record_key": dead.key,
-        "payload": dead.payload,
-    }
 
 
 def quarantine_row(q: QuarantinedEvent) -> dict[str, Any]:
@@ -300,18 +261,15 @@ def build_pipeline(p: beam.Pipeline, config: dict[str, Any]) -> ClicksJob:
         session_dead,
         quarantine_dead,
     ) | "AllDeadLetters" >> beam.Flatten()
-    dlq_dead = (
-        dead_letters
-        | "ToDeadLetterRows" >> beam.Map(dead_letter_row)
-        | "WriteDeadLetters" >> WriteToPostgres(pg["dsn"], dead_letter_spec(pg["dead_letters_table"]), create=True)
-    )
-    # The dead-letter table is the last resort: if it rejects a row, the job fails rather than lose it.
-    dlq_dead | "FailOnLostDeadLetter" >> beam.Map(_refuse_lost_dead_letter)
+    dlq_conf = config.get("dead_letters") or {}
+    if dlq_conf.get("sink", "postgres") == "kafka":
+        dlq = WriteDeadLetters(
+            "kafka", bootstrap=kafka["bootstrap"], topic=dlq_conf.get("topic") or f"{kafka['topic']}-dlq"
+        )
+    else:
+        dlq = WriteDeadLetters("postgres", dsn=pg["dsn"], table=pg["dead_letters_table"])
+    dead_letters | "WriteDeadLetters" >> dlq
     return ClicksJob(records, dedup.unique, dead_letters, dedup.quarantine, sessions)
-
-
-def _refuse_lost_dead_letter(dead: DeadLetter) -> None:
-    raise RuntimeError(f"the dead-letter table rejected a dead letter ({dead.reason}); refusing to lose it")
 
 
 def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:

@@ -70,6 +70,10 @@ class _UpsertFn(beam.DoFn):
             source_of=self._source_of,
         )
         self._pool = pool
+        if self._spec.evolves:
+            # Refusals (required new column, type change, a NOT NULL column no longer declared) fail the job here,
+            # before this worker writes any row.
+            self._writer.columns()
 
     def process(self, row: Mapping[str, Any]) -> Iterator[TaggedOutput]:
         assert self._writer is not None
@@ -116,6 +120,15 @@ class WriteToPostgres(beam.PTransform):
     Transient database failures are retried with backoff; rows rejected for their data (NOT NULL, type, range,
     check) come out as dead letters carrying the database's message, and the rest of their batch commits.
     Nothing is silently dropped.
+
+    Schema evolution: with ``TableSpec(extra_fields="evolve", columns=avro_columns(reader_schema, ...))`` a
+    declared column the table lacks is added, nullable, before the first row carrying that field is written (old
+    rows read NULL there). Anything else (a required new column, a type change, a NOT NULL column the declaration
+    lacks) raises ``SchemaEvolutionError`` when the worker starts, before any row is written::
+
+        spec = TableSpec("raw_clicks", key=("topic", "kafka_partition", "kafka_offset"), extra_fields="evolve",
+                         columns=avro_columns(load_schema("click_v2"), topic="text NOT NULL",
+                                              kafka_partition="integer NOT NULL", kafka_offset="bigint NOT NULL"))
 
     Needs: a reachable PostgreSQL (``dsn``), and a table with a primary key or unique index on ``spec.key``
     (or ``create=True`` with declared ``spec.columns``). Names must be plain identifiers; others are rejected.

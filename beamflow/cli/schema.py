@@ -1,11 +1,10 @@
-"""``beamflow schema check|register``: is a candidate Avro schema safe to roll out, and register it.
+"""``beamflow schema check|register|evolve``: is a candidate Avro schema safe to roll out; register it; evolve
+the sink tables for it.
 
-``check`` asks two questions and exits nonzero unless both say yes:
-
-1. the registry: is the candidate compatible with the subject's latest version under the subject's level?
-2. beamflow's rollout rule (``beamflow.avro.evolution``): only new fields with defaults.
-
-With ``--postgres-dsn`` and ``--table`` it also lists the nullable columns the sink will add.
+``check`` exits nonzero unless the registry (compatibility under the subject's level), beamflow's rollout rule
+(only new fields with defaults) and every sink table given all say yes; it lists the nullable columns each sink
+table will gain. ``evolve`` does the same check and then adds those columns (``beamflow.rollout.evolve_sinks``):
+the explicit step before the job writes the new fields. The logic lives in ``beamflow.rollout``.
 """
 
 from __future__ import annotations
@@ -17,10 +16,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from beamflow.avro.evolution import EvolutionReport, UnsupportedTypeError, classify_change, columns_to_add
-from beamflow.avro.registry import RegistryError, SchemaRegistryClient, SubjectNotFoundError
+from beamflow.avro.registry import RegistryError, SchemaRegistryClient
+from beamflow.iceberg.catalog import CatalogConfig
+from beamflow.rollout import RolloutRefusedError, RolloutVerdict, check_rollout, evolve_sinks
 
-__all__ = ["register"]
+__all__ = ["check", "register"]
 
 EXIT_SAFE = 0
 EXIT_UNSAFE = 1
@@ -28,14 +28,20 @@ EXIT_ERROR = 2
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("schema", help="check or register Avro schemas in the schema registry")
+    parser = subparsers.add_parser("schema", help="check or register Avro schemas; evolve sink tables for them")
     actions = parser.add_subparsers(dest="schema_action", required=True)
 
-    check = actions.add_parser("check", help="is a candidate schema safe to roll out? (exit 0 if yes)")
-    _common(check)
-    check.add_argument("--postgres-dsn", help="also show the columns the PostgreSQL sink table would gain")
-    check.add_argument("--table", help="sink table ([schema.]name) for --postgres-dsn")
-    check.set_defaults(func=run_check)
+    check_parser = actions.add_parser("check", help="is a candidate schema safe to roll out? (exit 0 if yes)")
+    _common(check_parser)
+    _sinks(check_parser)
+    check_parser.set_defaults(func=run_check)
+
+    evolve = actions.add_parser(
+        "evolve", help="check, then add the candidate's new nullable columns to the sink tables (exit 0 if done)"
+    )
+    _common(evolve)
+    _sinks(evolve)
+    evolve.set_defaults(func=run_evolve)
 
     reg = actions.add_parser("register", help="register a schema under a subject (after checking it)")
     _common(reg)
@@ -52,6 +58,17 @@ def _common(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _sinks(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--postgres-dsn", help="PostgreSQL holding the sink table --table")
+    parser.add_argument("--table", "--pg-table", dest="table", help="PostgreSQL sink table ([schema.]name)")
+    parser.add_argument("--iceberg-table", help="Iceberg sink table (namespace.name) in the catalog below")
+    parser.add_argument("--catalog-warehouse", help="Iceberg warehouse folder (with --iceberg-table)")
+    parser.add_argument(
+        "--catalog-uri", default="", help="Iceberg SQL catalog URI (default: SQLite in the warehouse folder)"
+    )
+    parser.add_argument("--catalog-name", default="beamflow", help="Iceberg catalog name (default: %(default)s)")
+
+
 def _registry_url(explicit: str | None) -> str:
     if explicit:
         return explicit
@@ -61,9 +78,7 @@ def _registry_url(explicit: str | None) -> str:
 
     state = ServiceSet().get("registry").state()
     if state is None or not state.alive():
-        raise SystemExit(
-            "no --registry given and the local registry is not running (beamflow services up registry)"
-        )
+        raise SystemExit("no --registry given and the local registry is not running (beamflow services up registry)")
     return str(state.info["url"])
 
 
@@ -75,68 +90,60 @@ def _load(path: Path) -> dict[str, Any]:
     return schema
 
 
-def _postgres_columns(dsn: str, table: str) -> list[str] | None:
-    """The table's column names, or None if it does not exist."""
-    import psycopg
-
-    schema_name, _, name = table.rpartition(".")
-    with psycopg.connect(dsn) as conn:
-        rows = conn.execute(
-            "SELECT column_name FROM information_schema.columns WHERE table_name = %s "
-            "AND table_schema = COALESCE(NULLIF(%s, ''), current_schema()) ORDER BY ordinal_position",
-            (name, schema_name),
-        ).fetchall()
-    return [str(r[0]) for r in rows] or None
+def _sink_args(args: argparse.Namespace) -> dict[str, Any]:
+    if bool(args.postgres_dsn) != bool(args.table):
+        raise ValueError("--postgres-dsn and --table go together")
+    if bool(args.iceberg_table) != bool(args.catalog_warehouse):
+        raise ValueError("--iceberg-table needs --catalog-warehouse (and optionally --catalog-uri)")
+    catalog = None
+    if args.iceberg_table:
+        catalog = CatalogConfig(warehouse=args.catalog_warehouse, uri=args.catalog_uri, name=args.catalog_name)
+    return {
+        "postgres_dsn": args.postgres_dsn or None,
+        "pg_table": args.table or None,
+        "iceberg_table": args.iceberg_table or None,
+        "iceberg_catalog": catalog,
+    }
 
 
 def check(client: SchemaRegistryClient, subject: str, candidate: dict[str, Any]) -> tuple[bool, list[str]]:
-    """The verdict and the lines explaining it (registry verdict first, then beamflow's rule)."""
-    lines: list[str] = []
-    try:
-        latest = client.get_latest(subject)
-    except SubjectNotFoundError:
-        return True, [f"subject {subject!r} has no versions yet: the candidate would be version 1"]
-    lines.append(f"latest: {subject} version {latest.version} (schema id {latest.schema_id})")
-    level = client.get_compatibility(subject)
-    verdict = client.check_compatibility(subject, candidate)
-    lines.append(
-        f"registry ({level}): {'compatible' if verdict.is_compatible else 'INCOMPATIBLE'}"
-        + "".join(f"\n  {m}" for m in verdict.messages)
-    )
-    report: EvolutionReport = classify_change(latest.schema, candidate)
-    lines.append(f"beamflow rollout rule: {report.summary()}")
-    return verdict.is_compatible and report.safe, lines
+    """The registry and rollout-rule verdict and the lines explaining it (no sinks)."""
+    verdict = check_rollout(client, subject, candidate)
+    return verdict.safe, verdict.lines()
+
+
+def _print(verdict: RolloutVerdict) -> None:
+    print(verdict.text())
 
 
 def run_check(args: argparse.Namespace) -> int:
     candidate = _load(args.schema)
     client = SchemaRegistryClient(_registry_url(args.registry))
     try:
-        safe, lines = check(client, args.subject, candidate)
-    except (RegistryError, ValueError) as exc:
+        verdict = check_rollout(client, args.subject, candidate, **_sink_args(args))
+    except (RegistryError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_ERROR
-    if args.postgres_dsn:
-        if not args.table:
-            print("error: --postgres-dsn needs --table", file=sys.stderr)
-            return EXIT_ERROR
-        existing = _postgres_columns(args.postgres_dsn, args.table)
-        if existing is None:
-            lines.append(f"postgres: table {args.table} does not exist yet (created on first write)")
-        else:
-            try:
-                added = columns_to_add(candidate, existing)
-            except UnsupportedTypeError as exc:
-                lines.append(f"postgres: {exc}")
-                safe = False
-            else:
-                lines.append(
-                    f"postgres: {args.table} gains "
-                    + (", ".join(f"{c.name} {c.sql_type} NULL" for c in added) if added else "no columns")
-                )
-    print("\n".join(lines))
-    print("SAFE to roll out" if safe else "NOT safe to roll out")
-    return EXIT_SAFE if safe else EXIT_UNSAFE
+    _print(verdict)
+    return EXIT_SAFE if verdict.safe else EXIT_UNSAFE
+
+
+def run_evolve(args: argparse.Namespace) -> int:
+    candidate = _load(args.schema)
+    client = SchemaRegistryClient(_registry_url(args.registry))
+    try:
+        verdict = evolve_sinks(client, args.subject, candidate, **_sink_args(args))
+    except RolloutRefusedError as exc:
+        _print(exc.verdict)
+        print("refused: no table was changed")
+        return EXIT_UNSAFE
+    except (RegistryError, ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    _print(verdict)
+    changed = [s for s in verdict.sinks if s.exists and s.add]
+    print("evolved: " + (", ".join(f"{s.sink} {s.table}" for s in changed) if changed else "nothing to add"))
+    return EXIT_SAFE
 
 
 def run_register(args: argparse.Namespace) -> int:

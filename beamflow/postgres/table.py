@@ -10,14 +10,30 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
 from psycopg import sql
 
-__all__ = ["Column", "TableSpec", "create_table", "table_columns", "validate_identifier", "validate_sql_type"]
+__all__ = [
+    "EXTRA_FIELDS",
+    "Column",
+    "EvolutionPlan",
+    "SchemaEvolutionError",
+    "TableSpec",
+    "add_columns",
+    "avro_columns",
+    "create_table",
+    "existing_columns",
+    "parse_table_name",
+    "plan_evolution",
+    "table_columns",
+    "validate_identifier",
+    "validate_sql_type",
+]
 
+EXTRA_FIELDS = ("error", "ignore", "evolve")
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # A type name (possibly several words), optional (precision[, scale]), optional trailing words ("with time
 # zone", "NOT NULL"), optional []: no quotes, semicolons, commas outside the parentheses or comments can get
@@ -62,6 +78,7 @@ class Column:
     type_oid: int
     type_name: str
     not_null: bool
+    has_default: bool = False
 
 
 @dataclass(frozen=True)
@@ -79,7 +96,9 @@ class TableSpec:
     version: tuple[str, ...] = ()
     columns: Mapping[str, str] | None = None
     schema: str | None = None
-    extra_fields: str = "error"  # what to do with element fields the table lacks: "error" (dead letter) or "ignore"
+    # What to do with element fields the table lacks: "error" (dead letter), "ignore", or "evolve" (add the declared
+    # column, nullable, before the first row carrying it is written; undeclared fields stay dead letters).
+    extra_fields: str = "error"
 
     def __post_init__(self) -> None:
         validate_identifier(self.table, "table name")
@@ -104,8 +123,13 @@ class TableSpec:
             if missing:
                 raise ValueError(f"table {self.table!r}: key/version columns {missing} are not declared in columns")
             object.__setattr__(self, "columns", columns)
-        if self.extra_fields not in ("error", "ignore"):
-            raise ValueError(f"extra_fields must be 'error' or 'ignore', not {self.extra_fields!r}")
+        if self.extra_fields not in EXTRA_FIELDS:
+            raise ValueError(f"extra_fields must be one of {', '.join(EXTRA_FIELDS)}, not {self.extra_fields!r}")
+        if self.extra_fields == "evolve" and self.columns is None:
+            raise ValueError(
+                f"table {self.table!r}: extra_fields='evolve' needs declared columns (name -> SQL type) to know the "
+                "type of a new column; e.g. columns=avro_columns(reader_schema)"
+            )
 
     @property
     def qualified(self) -> sql.Identifier:
@@ -114,6 +138,10 @@ class TableSpec:
     @property
     def display_name(self) -> str:
         return f"{self.schema}.{self.table}" if self.schema else self.table
+
+    @property
+    def evolves(self) -> bool:
+        return self.extra_fields == "evolve"
 
 
 def create_table(conn: psycopg.Connection[Any], spec: TableSpec) -> None:
@@ -137,7 +165,7 @@ def table_columns(conn: psycopg.Connection[Any], spec: TableSpec) -> list[Column
     regclass = spec.qualified.as_string(conn)
     rows = conn.execute(
         """
-        SELECT a.attname, a.atttypid::int, format_type(a.atttypid, a.atttypmod), a.attnotnull
+        SELECT a.attname, a.atttypid::int, format_type(a.atttypid, a.atttypmod), a.attnotnull, a.atthasdef
         FROM pg_attribute a
         WHERE a.attrelid = to_regclass(%s) AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = ''
         ORDER BY a.attnum
@@ -146,7 +174,7 @@ def table_columns(conn: psycopg.Connection[Any], spec: TableSpec) -> list[Column
     ).fetchall()
     if not rows:
         raise LookupError(f"table {spec.display_name!r} does not exist (or has no columns)")
-    columns = [Column(name=r[0], type_oid=r[1], type_name=r[2], not_null=r[3]) for r in rows]
+    columns = [Column(name=r[0], type_oid=r[1], type_name=r[2], not_null=r[3], has_default=r[4]) for r in rows]
     names = {c.name for c in columns}
     missing = [c for c in (*spec.key, *spec.version) if c not in names]
     if missing:
@@ -156,3 +184,171 @@ def table_columns(conn: psycopg.Connection[Any], spec: TableSpec) -> list[Column
 
 def column_names(columns: Sequence[Column]) -> list[str]:
     return [c.name for c in columns]
+
+
+# ---- schema evolution ----------------------------------------------------------------------------------------
+
+
+class SchemaEvolutionError(ValueError):
+    """A table change beamflow refuses to make (a required new column, a type change, a NOT NULL column the rows
+    no longer carry); raised before any row is written, the message says which columns and why."""
+
+
+_NULLITY = re.compile(r"\s+(NOT\s+)?NULL\s*$", re.IGNORECASE)
+
+
+def _is_not_null(type_text: str) -> bool:
+    match = _NULLITY.search(type_text)
+    return bool(match and match.group(1))
+
+
+def _bare_type(type_text: str) -> str:
+    return _NULLITY.sub("", type_text).strip()
+
+
+def avro_columns(schema: Mapping[str, Any] | str, **extra: str) -> dict[str, str]:
+    """Declared columns (name -> SQL type) for an Avro record schema, plus ``extra`` (e.g. Kafka coordinates).
+
+    A field that is neither nullable nor has a default is ``NOT NULL`` (every record carries it); any other field
+    is nullable. Types come from ``beamflow.avro.evolution`` (the same mapping the Iceberg sink and the rollout
+    gate use).
+    """
+    import json
+
+    from beamflow.avro.evolution import avro_type_to_column
+
+    parsed = json.loads(schema) if isinstance(schema, str) else dict(schema)
+    declared: dict[str, str] = {}
+    for avro_field in parsed.get("fields", []):
+        column = avro_type_to_column(avro_field["name"], avro_field["type"])
+        required = not column.nullable and "default" not in avro_field
+        declared[validate_identifier(column.name, "column name")] = column.sql_type + (" NOT NULL" if required else "")
+    for name, type_text in extra.items():
+        declared[validate_identifier(name, "column name")] = validate_sql_type(type_text, name)
+    return declared
+
+
+@dataclass(frozen=True)
+class EvolutionPlan:
+    """What a table needs for a set of declared columns: nullable columns to add, and what is refused (why)."""
+
+    table: str
+    add: tuple[tuple[str, str], ...] = ()
+    refused: tuple[str, ...] = field(default=())
+
+    @property
+    def safe(self) -> bool:
+        return not self.refused
+
+    def describe(self) -> str:
+        if self.refused:
+            return f"{self.table}: REFUSED: " + "; ".join(self.refused)
+        if not self.add:
+            return f"{self.table} gains no columns"
+        return f"{self.table} gains " + ", ".join(f"{name} {type_text} NULL" for name, type_text in self.add)
+
+    def raise_if_refused(self) -> None:
+        if self.refused:
+            raise SchemaEvolutionError(
+                f"refusing to evolve table {self.table}: " + "; ".join(self.refused) + " (no row was written)"
+            )
+
+
+def parse_table_name(table: str) -> tuple[str | None, str]:
+    """``"[schema.]name"`` as (schema or None, name), both validated identifiers."""
+    schema, _, name = table.rpartition(".")
+    return (validate_identifier(schema, "schema name") if schema else None), validate_identifier(name, "table name")
+
+
+def _target(table: TableSpec | str) -> tuple[sql.Identifier, str]:
+    if isinstance(table, TableSpec):
+        return table.qualified, table.display_name
+    schema, name = parse_table_name(table)
+    return (sql.Identifier(schema, name) if schema else sql.Identifier(name)), table
+
+
+def existing_columns(conn: psycopg.Connection[Any], table: TableSpec | str) -> list[Column] | None:
+    """The table's writable columns in table order, or None if there is no such table."""
+    qualified, _ = _target(table)
+    rows = conn.execute(
+        """
+        SELECT a.attname, a.atttypid::int, format_type(a.atttypid, a.atttypmod), a.attnotnull, a.atthasdef
+        FROM pg_attribute a
+        WHERE a.attrelid = to_regclass(%s) AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = ''
+        ORDER BY a.attnum
+        """,
+        (qualified.as_string(conn),),
+    ).fetchall()
+    if not rows:
+        return None
+    return [Column(name=r[0], type_oid=r[1], type_name=r[2], not_null=r[3], has_default=r[4]) for r in rows]
+
+
+def plan_evolution(
+    conn: psycopg.Connection[Any],
+    table: TableSpec | str,
+    existing: Sequence[Column],
+    declared: Mapping[str, str],
+    complete: bool = True,
+) -> EvolutionPlan:
+    """Compares ``declared`` columns (name -> SQL type) with the table's ``existing`` ones.
+
+    Only additive changes pass: a declared column the table lacks is added nullable (rows already in the table
+    have no value for it), unless it is declared ``NOT NULL`` (a required new column: refused). A declared type
+    that differs from the existing column's base type is refused (type changes need a new column), and so is a
+    ``NOT NULL`` column without a default that is not declared any more (a removed or renamed field: every row
+    would be rejected); ``complete=False`` skips that last check, for declarations that cover only some columns
+    (e.g. an Avro schema without the Kafka coordinate columns).
+    """
+    _, display = _target(table)
+    have = {c.name: c for c in existing}
+    refused: list[str] = []
+    add: list[tuple[str, str]] = []
+    to_compare: list[tuple[str, str]] = []
+    for name, type_text in declared.items():
+        bare = _bare_type(type_text)
+        if name not in have:
+            if _is_not_null(type_text):
+                refused.append(
+                    f"new column {name!r} is required ({type_text}): rows already written have no value for it; "
+                    'declare it nullable (in Avro: a union with null and "default": null)'
+                )
+            else:
+                add.append((name, bare))
+        else:
+            to_compare.append((name, bare))
+    if to_compare:
+        rows = conn.execute(
+            "SELECT t, to_regtype(t)::oid::int FROM unnest(%s::text[]) AS t", ([t for _, t in to_compare],)
+        ).fetchall()
+        oid_of = {r[0]: r[1] for r in rows}
+        for name, bare in to_compare:
+            column = have[name]
+            oid = oid_of.get(bare)
+            if oid is None:
+                refused.append(f"column {name!r}: declared type {bare!r} is not a known type")
+            elif oid != column.type_oid:
+                refused.append(
+                    f"column {name!r} has type {column.type_name} but is declared {bare}: type changes are refused; "
+                    "add a new field instead"
+                )
+    for column in existing if complete else ():
+        if column.name not in declared and column.not_null and not column.has_default:
+            refused.append(
+                f"column {column.name!r} is NOT NULL without a default but the declared columns lack it "
+                "(a removed or renamed field?): every row would be rejected"
+            )
+    return EvolutionPlan(display, tuple(add), tuple(refused))
+
+
+def add_columns(conn: psycopg.Connection[Any], table: TableSpec | str, columns: Sequence[tuple[str, str]]) -> None:
+    """``ALTER TABLE ... ADD COLUMN IF NOT EXISTS name type`` (nullable) for each column, in one statement."""
+    if not columns:
+        return
+    qualified, _ = _target(table)
+    clauses = []
+    for name, type_text in columns:
+        validate_identifier(name, "column name")
+        bare = _bare_type(validate_sql_type(type_text, name))
+        clauses.append(sql.SQL("ADD COLUMN IF NOT EXISTS {} {}").format(sql.Identifier(name), sql.SQL(bare)))
+    conn.execute(sql.SQL("ALTER TABLE {} {}").format(qualified, sql.SQL(", ").join(clauses)))

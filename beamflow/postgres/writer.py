@@ -15,6 +15,13 @@ and versions are deterministic. Transient failures (connection lost, server rest
 deadlock) are retried with exponential backoff and jitter. A batch that fails because of its DATA is bisected
 until the offending rows are isolated; those become ``DeadLetter`` records carrying the database's message,
 and every other row commits.
+
+Schema evolution (``TableSpec(extra_fields="evolve", columns=...)``): when the table is first read, the declared
+columns are compared with it (``table.plan_evolution``) and anything but an addition of nullable columns is refused
+with ``SchemaEvolutionError`` before any row is written. A declared column the table lacks is added (``ALTER TABLE
+... ADD COLUMN IF NOT EXISTS``, nullable) in its own transaction just before the first batch whose rows carry that
+field; rows without it keep working (NULL). The session-local staging table is named after the column set, so a
+pooled session that staged the old columns gets a fresh one with the new columns.
 """
 
 from __future__ import annotations
@@ -34,7 +41,15 @@ from psycopg_pool import ConnectionPool
 
 from beamflow.deadletter import DeadLetter, encode_payload
 from beamflow.postgres.retry import RetryPolicy, error_code, error_message, is_data_error
-from beamflow.postgres.table import Column, TableSpec, create_table, table_columns
+from beamflow.postgres.table import (
+    Column,
+    SchemaEvolutionError,
+    TableSpec,
+    add_columns,
+    create_table,
+    plan_evolution,
+    table_columns,
+)
 
 __all__ = ["DEFAULT_MAX_BYTES", "DEFAULT_MAX_ROWS", "PostgresUpsertWriter", "WriterStats", "open_pool"]
 
@@ -138,11 +153,11 @@ class PostgresUpsertWriter:
         self._own_pool = pool is None
         self._pool: ConnectionPool = pool if pool is not None else open_pool(str(dsn))
         self._columns: list[Column] | None = None
+        self._evolvable: dict[str, str] = {}  # declared columns the table lacks: name -> SQL type
+        self._staging_names: dict[tuple[str, ...], sql.Identifier] = {}
         self._buffer: list[Mapping[str, Any]] = []
         self._buffer_bytes = 0
         self._first_buffered_at: float | None = None
-        digest = hashlib.sha1(spec.display_name.encode()).hexdigest()[:12]
-        self._staging = sql.Identifier(f"beamflow_stage_{digest}")
 
     # ---- buffering ---------------------------------------------------------------------------------------
 
@@ -218,17 +233,62 @@ class PostgresUpsertWriter:
                 with self._pool.connection() as conn:
                     if self.create:
                         create_table(conn, self.spec)
-                    return table_columns(conn, self.spec)
+                    columns = table_columns(conn, self.spec)
+                    if self.spec.evolves:
+                        assert self.spec.columns is not None  # TableSpec checks this
+                        plan = plan_evolution(conn, self.spec, columns, self.spec.columns)
+                        plan.raise_if_refused()  # before any row is written
+                        self._evolvable = dict(plan.add)
+                    return columns
 
             self._columns = self.retry.call(load, on_retry=self._count_retry)
         return self._columns
+
+    def evolve(self, names: Iterable[str] | None = None) -> list[str]:
+        """Adds the declared columns the table lacks (``names`` of them, or all), nullable; returns the added
+        names. Raises ``SchemaEvolutionError`` if the spec does not evolve or a name is not declared."""
+        self.columns()
+        wanted = list(self._evolvable) if names is None else list(dict.fromkeys(names))
+        if not self.spec.evolves:
+            raise SchemaEvolutionError(f"table {self.spec.display_name}: TableSpec(extra_fields='evolve') not set")
+        unknown = [n for n in wanted if n not in self._evolvable]
+        if unknown:
+            raise SchemaEvolutionError(f"table {self.spec.display_name}: no declared type for new column(s) {unknown}")
+        if not wanted:
+            return []
+        additions = [(n, self._evolvable[n]) for n in wanted]
+
+        def alter() -> None:
+            with self._pool.connection() as conn, conn.transaction():
+                add_columns(conn, self.spec, additions)
+
+        self.retry.call(alter, on_retry=self._count_retry)
+        log.info("added nullable columns %s to %s", wanted, self.spec.display_name)
+        self._columns = None  # re-read (and re-plan) with the new columns
+        self.columns()
+        return wanted
+
+    def _fields_to_evolve(self, rows: Sequence[Mapping[str, Any]], known: frozenset[str]) -> list[str]:
+        found: dict[str, None] = {}
+        evolvable = self._evolvable
+        for row in rows:
+            if isinstance(row, Mapping) and not known.issuperset(row):
+                found.update((k, None) for k in row if k in evolvable)
+        return list(found)
 
     def write_batch(self, rows: Sequence[Mapping[str, Any]]) -> list[DeadLetter]:
         """Upserts ``rows`` now (no buffering); returns the dead letters."""
         columns = self.columns()
         names = [c.name for c in columns]
         known = frozenset(names)
-        check_extra = self.spec.extra_fields == "error"
+        if self._evolvable:
+            new_fields = self._fields_to_evolve(rows, known)
+            if new_fields:  # the table gains them before the first row carrying them is written
+                self.evolve(new_fields)
+                columns = self.columns()
+                names = [c.name for c in columns]
+                known = frozenset(names)
+        check_extra = self.spec.extra_fields != "ignore"
         all_values = operator.itemgetter(*names) if len(names) > 1 else lambda r: (r[names[0]],)
         dead: list[DeadLetter] = []
         items: list[_Item] = []
@@ -294,8 +354,19 @@ class PostgresUpsertWriter:
                 self.stats.text_fallbacks += 1
         self._transaction(items, columns, binary=False)
 
+    def _staging_for(self, names: list[str]) -> sql.Identifier:
+        """The session-local staging table for this column set: a new column set (after ``evolve``) gets a new
+        name, because a pooled session may still hold the staging table created with the old columns."""
+        key = tuple(names)
+        staging = self._staging_names.get(key)
+        if staging is None:
+            digest = hashlib.sha1("\x00".join((self.spec.display_name, *names)).encode()).hexdigest()[:12]
+            staging = self._staging_names[key] = sql.Identifier(f"beamflow_stage_{digest}")
+        return staging
+
     def _transaction(self, items: list[_Item], columns: list[Column], binary: bool) -> None:
         names = [c.name for c in columns]
+        staging = self._staging_for(names)
         with self._pool.connection() as conn:
             self.stats.transactions += 1
             with conn.transaction():
@@ -306,13 +377,13 @@ class PostgresUpsertWriter:
                         "CREATE TEMP TABLE IF NOT EXISTS {staging} ON COMMIT DELETE ROWS "
                         "AS SELECT {columns} FROM {target} WITH NO DATA"
                     ).format(
-                        staging=self._staging,
+                        staging=staging,
                         columns=sql.SQL(", ").join(map(sql.Identifier, names)),
                         target=self.spec.qualified,
                     )
                 )
                 copy_sql = sql.SQL("COPY {staging} ({columns}) FROM STDIN{fmt}").format(
-                    staging=self._staging,
+                    staging=staging,
                     columns=sql.SQL(", ").join(map(sql.Identifier, names)),
                     fmt=sql.SQL(" (FORMAT BINARY)" if binary else ""),
                 )
@@ -332,10 +403,10 @@ class PostgresUpsertWriter:
                         with cur.copy(copy_sql) as copy:
                             for item in items:
                                 copy.write_row(tuple(_text_value(v) for v in item[1]))
-                    cur.execute(self._upsert_sql(names))
+                    cur.execute(self._upsert_sql(names, staging))
                     self.stats.rows_written += max(cur.rowcount, 0)
 
-    def _upsert_sql(self, names: list[str]) -> sql.Composed:
+    def _upsert_sql(self, names: list[str], staging: sql.Identifier) -> sql.Composed:
         cols = sql.SQL(", ").join(map(sql.Identifier, names))
         key = sql.SQL(", ").join(map(sql.Identifier, self.spec.key))
         updates = [n for n in names if n not in self.spec.key]
@@ -353,7 +424,7 @@ class PostgresUpsertWriter:
             action = sql.Composed([sql.SQL("DO NOTHING")])
         return sql.SQL(
             "INSERT INTO {target} AS t ({cols}) SELECT {cols} FROM {staging} ON CONFLICT ({key}) {action}"
-        ).format(target=self.spec.qualified, cols=cols, staging=self._staging, key=key, action=action)
+        ).format(target=self.spec.qualified, cols=cols, staging=staging, key=key, action=action)
 
     # ---- helpers
     # ---------------------------------------------------------------------------------------------------
