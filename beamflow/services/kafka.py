@@ -161,8 +161,18 @@ class KafkaService(LocalService):
         return state
 
     def ready(self, state: ServiceState) -> bool:
-        from confluent_kafka.admin import AdminClient
+        """Metadata answers and the group coordinator is loaded (a fresh broker answers offset requests with
+        NOT_COORDINATOR / COORDINATOR_LOAD_IN_PROGRESS for a while after it starts listening)."""
+        from confluent_kafka import Consumer, TopicPartition
 
-        admin = AdminClient({"bootstrap.servers": state.info["bootstrap"]})
-        metadata = admin.list_topics(timeout=5)
-        return bool(metadata.brokers)
+        consumer = Consumer(
+            {"bootstrap.servers": state.info["bootstrap"], "group.id": "beamflow-ready", "enable.auto.commit": False}
+        )
+        try:
+            metadata = consumer.list_topics(timeout=5)
+            if not metadata.brokers:
+                return False
+            consumer.committed([TopicPartition("beamflow-ready", 0)], timeout=5)
+            return True
+        finally:
+            consumer.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["project_root", "cache_dir", "data_dir"]
+__all__ = ["cache_dir", "data_dir", "project_root"]
 
 
 def project_root() -> Path:
