@@ -20,7 +20,7 @@ def test_example_conf_maps_to_job_server_options_and_cluster_settings() -> None:
     assert "--runner=FlinkRunner" in flags
     assert "--streaming" in flags
     assert "--checkpointing_interval=10000" in flags
-    assert "--checkpoint_timeout_millis=120000" in flags
+    assert "--checkpoint_timeout_millis=30000" in flags
     assert "--min_pause_between_checkpoints=2000" in flags
     assert "--externalized_checkpoints_enabled" in flags
     assert "--environment_type=LOOPBACK" in flags
