@@ -35,8 +35,9 @@ from apache_beam.io.iobase import RestrictionTracker, WatermarkEstimator
 from apache_beam.io.restriction_trackers import OffsetRange, OffsetRestrictionTracker
 from apache_beam.metrics import Metrics
 from apache_beam.transforms.core import RestrictionProvider, WatermarkEstimatorProvider
-from apache_beam.transforms.window import TimestampedValue
+from apache_beam.transforms.window import GlobalWindow
 from apache_beam.utils.timestamp import Duration, Timestamp
+from apache_beam.utils.windowed_value import create as windowed_value
 
 from beamflow.kafka.client import KafkaConsumerClient, open_consumer
 from beamflow.kafka.commits import ForwardOnlyCommitter
@@ -48,6 +49,10 @@ __all__ = ["ReadFromKafka", "StartPolicy", "StopPolicy"]
 
 _UNBOUNDED = sys.maxsize
 _MAX_PARTITIONS = 1 << 20
+# The partitions the read processes come from its own Create + Reshuffle, so they are always in the global window;
+# emitting windowed values (value, timestamp in micros, windows) directly saves a window assignment and a Timestamp
+# object per record.
+_GLOBAL_WINDOWS = (GlobalWindow(),)
 
 
 @dataclass(frozen=True)
@@ -245,6 +250,8 @@ class _ReadPartitionFn(beam.DoFn, _PartitionRestrictions, _PartitionWatermarks):
         config = self._config
         restriction: OffsetRange = tracker.current_restriction()
         watermark: PartitionWatermark = watermark_estimator.partition_watermark()
+        if restriction.start >= restriction.stop:
+            return  # nothing to read (an empty partition in a bounded read): done without a poll
         with exclusive_reader(config.bootstrap, config.group_id, tp.topic, tp.partition):
             consumer = self._consumer(tp)
             consumer.assign(tp, restriction.start)
@@ -253,7 +260,12 @@ class _ReadPartitionFn(beam.DoFn, _PartitionRestrictions, _PartitionWatermarks):
             last_claimed: int | None = None
             try:
                 while True:
-                    records = consumer.poll(min(2000, config.max_bundle_records), config.poll_timeout_s)
+                    wanted = min(2000, config.max_bundle_records)
+                    if restriction.stop != _UNBOUNDED:
+                        # Never fetch past the restriction's end (those records would be thrown away).
+                        next_offset = restriction.start if last_claimed is None else last_claimed + 1
+                        wanted = max(1, min(wanted, restriction.stop - next_offset))
+                    records = consumer.poll(wanted, config.poll_timeout_s)
                     now = _now_ms()
                     if not records:
                         self._idle.inc()
@@ -263,20 +275,62 @@ class _ReadPartitionFn(beam.DoFn, _PartitionRestrictions, _PartitionWatermarks):
                             return
                         tracker.defer_remainder(Duration(seconds=0.5))
                         return
-                    for record in records:
-                        event_ms = self._event_time_ms(record)
-                        if config.stop.until_ms is not None and event_ms >= config.stop.until_ms:
-                            tracker.try_claim(restriction.stop)
+                    if config.stop.until_ms is not None:
+                        # Per record: the until_ms policy may end the partition in the middle of a poll.
+                        for record in records:
+                            event_ms = self._event_time_ms(record)
+                            if event_ms >= config.stop.until_ms:
+                                tracker.try_claim(restriction.stop)
+                                return
+                            if not tracker.try_claim(record.offset):
+                                return
+                            last_claimed = record.offset
+                            if watermark.observe_record(event_ms, now):
+                                self._late.inc()
+                            self._records.inc()
+                            self._bytes.inc(len(record.value or b"") + len(record.key or b""))
+                            emitted += 1
+                            yield windowed_value(record, int(event_ms * 1000), _GLOBAL_WINDOWS)
+                    else:
+                        # One claim per poll: claiming the highest offset of the batch claims the offsets below it,
+                        # and every record emitted is at or below the claim, so a checkpoint taken at any point
+                        # resumes exactly after what was emitted. Records at or past the restriction's end are not
+                        # emitted; claiming the first of them ends the restriction, as a per-record claim would.
+                        stop = tracker.current_restriction().stop
+                        beyond = None
+                        if records[-1].offset >= stop:
+                            beyond = next(r for r in records if r.offset >= stop)
+                            records = [r for r in records if r.offset < stop]
+                        if records:
+                            if not tracker.try_claim(records[-1].offset):
+                                return
+                            last_claimed = records[-1].offset
+                            # int(): windowed values hold integer microseconds; a user function may return a float.
+                            stamps = [int(self._event_time_ms(r)) for r in records] if self._event_time_fn else None
+                            late, size = 0, 0
+                            wm, delay = watermark.watermark_ms, watermark.max_delay_ms
+                            for i, record in enumerate(records):
+                                event_ms = stamps[i] if stamps is not None else record.timestamp_ms
+                                if event_ms < wm:
+                                    late += 1
+                                if event_ms - delay > wm:
+                                    wm = event_ms - delay
+                                value, key = record.value, record.key
+                                size += (len(value) if value else 0) + (len(key) if key else 0)
+                                yield windowed_value(record, event_ms * 1000, _GLOBAL_WINDOWS)
+                            # Published only now, after every record it covers was emitted.
+                            watermark.watermark_ms = wm
+                            watermark.last_activity_wall_ms = now
+                            emitted += len(records)
+                            self._records.inc(len(records))
+                            self._bytes.inc(size)
+                            if late:
+                                self._late.inc(late)
+                        if beyond is not None:
+                            tracker.try_claim(beyond.offset)  # fails: the restriction is complete
                             return
-                        if not tracker.try_claim(record.offset):
-                            return
-                        last_claimed = record.offset
-                        if watermark.observe_record(event_ms, now):
-                            self._late.inc()
-                        self._records.inc()
-                        self._bytes.inc(len(record.value or b"") + len(record.key or b""))
-                        emitted += 1
-                        yield TimestampedValue(record, event_ms / 1000.0)
+                    if last_claimed is not None and last_claimed >= restriction.stop - 1:
+                        return  # the restriction's last offset is claimed: done, no need to wait on another poll
                     if emitted >= config.max_bundle_records or time.monotonic() >= deadline:
                         # Hand the bundle back so the runner can make it durable and finalize (commit) it.
                         tracker.defer_remainder(Duration(seconds=0))

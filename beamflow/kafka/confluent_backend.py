@@ -41,33 +41,53 @@ class ConfluentConsumer(KafkaConsumerClient):
         }
         settings.setdefault("auto.offset.reset", "earliest")
         self._consumer = Consumer(settings)
-        self._assigned: dict[TopicPartition, int] = {}
+        # The assignment: next offset poll() returns per partition (where it was assigned, then last returned + 1).
+        self._position: dict[TopicPartition, int] = {}
 
     def assign(self, tp: TopicPartition, offset: int) -> None:
-        self._assigned[tp] = offset
-        self._consumer.assign([CkTopicPartition(t.topic, t.partition, o) for t, o in self._assigned.items()])
+        if self._position.get(tp) == offset:
+            # Already reading there: re-assigning would drop librdkafka's prefetched records and fetch them again
+            # (the read transform re-assigns at the start of every bundle, at the offset where the last one ended).
+            return
+        self._position[tp] = offset
+        # Other partitions of this consumer stay where they are (their current position, not where they started).
+        self._consumer.assign([CkTopicPartition(t.topic, t.partition, o) for t, o in self._position.items()])
 
     def poll(self, max_records: int, timeout_s: float) -> list[KafkaRecord]:
         out: list[KafkaRecord] = []
-        for msg in self._consumer.consume(num_messages=max_records, timeout=timeout_s):
+        append = out.append
+        record = KafkaRecord
+        consumer = self._consumer
+        # What librdkafka already fetched, without waiting; only if that is nothing, wait (up to timeout_s) for the
+        # first record and take what has arrived with it. consume(n, timeout) alone would wait until n records
+        # arrived, so a partition with fewer than n left would cost the full timeout on every poll.
+        messages = consumer.consume(num_messages=max_records, timeout=0)
+        if not messages:
+            messages = consumer.consume(num_messages=1, timeout=timeout_s)
+            if messages and max_records > 1:
+                messages.extend(consumer.consume(num_messages=max_records - 1, timeout=0))
+        for msg in messages:
             err = msg.error()
             if err is not None:
                 if err.code() == KafkaError._PARTITION_EOF:
                     continue
                 raise KafkaException(err)
-            _, ts = msg.timestamp()
             headers = msg.headers()
-            out.append(
-                KafkaRecord(
-                    topic=msg.topic(),  # type: ignore[arg-type]  # set on every non-error message
-                    partition=msg.partition(),  # type: ignore[arg-type]
-                    offset=msg.offset(),  # type: ignore[arg-type]
-                    timestamp_ms=ts,
-                    key=msg.key(),
-                    value=msg.value(),
-                    headers=tuple(headers) if headers else (),  # type: ignore[arg-type]
+            append(
+                record(
+                    msg.topic(),  # type: ignore[arg-type]  # set on every non-error message
+                    msg.partition(),  # type: ignore[arg-type]
+                    msg.offset(),  # type: ignore[arg-type]
+                    msg.timestamp()[1],
+                    msg.key(),
+                    msg.value(),
+                    tuple(headers) if headers else (),  # type: ignore[arg-type]
                 )
             )
+        if out:
+            # One consumer usually reads one partition; record the position of each partition seen.
+            for rec in out if len(self._position) > 1 else out[-1:]:
+                self._position[TopicPartition(rec.topic, rec.partition)] = rec.offset + 1
         return out
 
     def watermarks(self, tp: TopicPartition, timeout_s: float = 10.0) -> tuple[int, int]:

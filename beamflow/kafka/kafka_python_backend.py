@@ -34,6 +34,8 @@ class KafkaPythonConsumer(KafkaConsumerClient):
         return KpTopicPartition(tp.topic, tp.partition)
 
     def assign(self, tp: TopicPartition, offset: int) -> None:
+        if tp in self._assigned and self._consumer.position(self._tp(tp)) == offset:
+            return  # already reading there; a seek would throw away the fetched records
         self._assigned[tp] = offset
         self._consumer.assign([self._tp(t) for t in self._assigned])
         for t, o in self._assigned.items():
