@@ -44,6 +44,7 @@ import pyarrow.compute as pc
 import sqlalchemy.exc
 from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import CommitFailedException, NoSuchTableError, TableAlreadyExistsError
+from pyiceberg.expressions import AlwaysTrue, And, GreaterThanOrEqual, LessThanOrEqual
 from pyiceberg.partitioning import PartitionField, PartitionSpec
 from pyiceberg.schema import Schema, assign_fresh_schema_ids
 from pyiceberg.table import Table
@@ -289,7 +290,12 @@ def _dedupe_in_batch(batch: pa.Table, keys: list[str]) -> pa.Table:
         return batch
     indexed = batch.append_column("__row", pa.array(range(batch.num_rows), pa.int64()))
     first = indexed.select([*keys, "__row"]).group_by(keys).aggregate([("__row", "min")])["__row_min"]
-    return batch.take(pc.sort_indices(first))
+    return batch.take(first.take(pc.sort_indices(first)))
+
+
+def _literal(value: Any) -> Any:
+    """pyiceberg 0.8 literals take no datetime; an ISO string converts to the column's timestamp type."""
+    return value.isoformat() if hasattr(value, "isoformat") else value
 
 
 @dataclass
@@ -309,8 +315,13 @@ class CommitResult:
 class IcebergCommitter:
     """Commits batches of rows to one Iceberg table exactly once per Kafka record (see the module docstring).
 
-    ``key_column``: rows without Kafka coordinates (window aggregates) are deduplicated by this deterministic
-    key against the snapshot each commit is based on; without it every row must carry coordinates.
+    ``key_column``: rows are deduplicated by this deterministic key against the snapshot each commit is based on.
+    Needed for rows without Kafka coordinates (window aggregates), and for rows whose offsets may reach the
+    committer out of order (after a shuffle by another key, e.g. deduplication by event id): the offset marks assume
+    each partition's offsets arrive in increasing order, so with ``key_column`` they are recorded (for monitoring and
+    resuming a source) but rows are not dropped by them. ``key_time_column`` bounds the key lookup to the batch's
+    range of that column (with a partition spec on it, only the touched partitions are read); it must be part of
+    the key's identity (the same key always has the same time).
     ``before_commit``: called after the data files are written and before the catalog commit (tests use it to
     kill the process at exactly that point; also a place for metrics).
     """
@@ -324,6 +335,7 @@ class IcebergCommitter:
         partition_by: Sequence[tuple[str, str]] = (),
         coordinates: CoordinateFields = DEFAULT_COORDINATES,
         table_properties: Mapping[str, str] | None = None,
+        key_time_column: str | None = None,
         max_attempts: int = 100,
         before_commit: Callable[[], None] | None = None,
     ) -> None:
@@ -332,6 +344,7 @@ class IcebergCommitter:
         self.sink_id = sink_id
         self.marks_key = marks_property(sink_id)
         self.key_column = key_column
+        self.key_time_column = key_time_column
         self.partition_by = list(partition_by)
         self.coordinates = coordinates
         # Every commit deep-copies the metadata, whose log of previous metadata files grows to this cap
@@ -407,6 +420,18 @@ class IcebergCommitter:
         keep = pc.fill_null(pc.greater(batch[f.offset], row_mark), True)  # rows without coordinates: key dedup
         return batch.filter(keep)
 
+    def _existing_keys(self, table: Table, snapshot_id: int, batch: pa.Table) -> pa.Table:
+        assert self.key_column is not None
+        row_filter: Any = AlwaysTrue()
+        if self.key_time_column and self.key_time_column in batch.column_names:
+            low, high = pc.min_max(batch[self.key_time_column]).values()
+            if low.is_valid and high.is_valid:
+                row_filter = And(
+                    GreaterThanOrEqual(self.key_time_column, _literal(low.as_py())),
+                    LessThanOrEqual(self.key_time_column, _literal(high.as_py())),
+                )
+        return table.scan(row_filter=row_filter, selected_fields=(self.key_column,), snapshot_id=snapshot_id).to_arrow()
+
     def _attempt(self, batch: pa.Table, incoming_marks: Marks, result: CommitResult) -> None:
         try:
             table = self.load()
@@ -416,14 +441,14 @@ class IcebergCommitter:
         base = table.current_snapshot()
         committed = read_marks(table, self.sink_id)
 
-        fresh = self._filter_marks(batch, committed)
+        fresh = batch if self.key_column else self._filter_marks(batch, committed)
         result.rows_below_marks = batch.num_rows - fresh.num_rows
         dedup_keys = [self.key_column] if self.key_column else list(self.coordinates.names)
         unique = _dedupe_in_batch(fresh, dedup_keys)
         result.rows_duplicate_in_batch = fresh.num_rows - unique.num_rows
         result.rows_existing_key = 0
         if self.key_column and base is not None and unique.num_rows:
-            existing = table.scan(selected_fields=(self.key_column,), snapshot_id=base.snapshot_id).to_arrow()
+            existing = self._existing_keys(table, base.snapshot_id, unique)
             if existing.num_rows:
                 known = existing[self.key_column].cast(unique[self.key_column].type)
                 new_mask = pc.invert(pc.is_in(unique[self.key_column], value_set=known))

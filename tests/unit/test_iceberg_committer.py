@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pyarrow as pa
 import pytest
@@ -86,3 +87,41 @@ def test_cli_offers_both_spellings_of_audit() -> None:
     assert one.func is two.func is iceberg_cli.run_audit
     expire = parser.parse_args(["iceberg", "expire", "ns.t", "--warehouse", "/w", "--keep", "3"])
     assert (expire.func, expire.keep) == (iceberg_cli.run_expire, 3)
+
+
+def test_out_of_order_offsets_with_a_key_column_lose_nothing_and_add_nothing_twice(tmp_path: Path) -> None:
+    """After a shuffle by event id a partition's offsets arrive out of order; the key, not the marks, decides."""
+    import datetime as dt
+
+    from beamflow.iceberg.catalog import CatalogConfig, open_catalog
+    from beamflow.iceberg.committer import IcebergCommitter
+
+    catalog = open_catalog(CatalogConfig.local(tmp_path))
+    catalog.create_namespace("ooo")
+    committer = IcebergCommitter(
+        catalog,
+        "ooo.t",
+        "ooo-sink",
+        key_column="event_id",
+        key_time_column="event_time",
+        partition_by=[("event_time", "day")],
+    )
+
+    def rows(offsets: list[int]) -> list[dict[str, object]]:
+        return [
+            {
+                "event_id": f"e{o}",
+                "event_time": dt.datetime(2026, 1, 1 + o % 3, tzinfo=dt.UTC),
+                "_kafka": {"topic": "t", "partition": 0, "offset": o},
+            }
+            for o in offsets
+        ]
+
+    assert committer.commit(rows([1, 2, 5])).rows_written == 3
+    later = committer.commit(rows([3, 4, 2]))  # 3 and 4 arrive after 5 was committed; 2 is a replay
+    assert (later.rows_written, later.rows_existing_key) == (2, 1)
+    again = committer.commit(rows([1, 1, 6, 6, 7]))
+    assert (again.rows_written, again.rows_duplicate_in_batch, again.rows_existing_key) == (2, 2, 1)
+    ids = catalog.load_table("ooo.t").scan().to_arrow()["event_id"].to_pylist()
+    assert sorted(ids) == [f"e{i}" for i in range(1, 8)]
+    assert committer.committed_marks() == {"t": {0: 7}}
