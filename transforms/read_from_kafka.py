@@ -232,6 +232,28 @@ class _ReadPartitionFn(beam.DoFn, _PartitionRestrictions, _PartitionWatermarks):
         if self._committer.commit(tp, next_offset):
             Metrics.gauge("beamflow.kafka", f"committed_offset.{tp}").set(next_offset)
 
+    def _report(
+        self,
+        tp: TopicPartition,
+        consumer: KafkaConsumerClient,
+        restriction: OffsetRange,
+        last_claimed: int | None,
+        emitted: int,
+        watermark: PartitionWatermark,
+    ) -> None:
+        """Per-partition metrics, once per bundle: records, consumer lag (end offset minus position), idleness."""
+        ns = "beamflow.kafka"
+        if emitted:
+            Metrics.counter(ns, f"records_read.{tp}").inc(emitted)
+        position = restriction.start if last_claimed is None else last_claimed + 1
+        try:
+            _, high = consumer.watermarks(tp, timeout_s=2.0)
+        except Exception:  # metrics must never fail a bundle
+            return
+        Metrics.gauge(ns, f"lag.{tp}").set(max(0, high - position))
+        idle = emitted == 0 and watermark.idle_timeout_ms is not None and high <= position
+        Metrics.gauge(ns, f"idle.{tp}").set(1 if idle else 0)
+
     def _event_time_ms(self, record: KafkaRecord) -> int:
         return self._event_time_fn(record) if self._event_time_fn else record.timestamp_ms
 
@@ -339,6 +361,7 @@ class _ReadPartitionFn(beam.DoFn, _PartitionRestrictions, _PartitionWatermarks):
                 if config.commit_offsets and last_claimed is not None:
                     next_offset = last_claimed + 1
                     bundle_finalizer.register(lambda: self._commit(tp, next_offset))
+                self._report(tp, consumer, restriction, last_claimed, emitted, watermark)
 
 
 class _UnboundedReadPartitionFn(_ReadPartitionFn):

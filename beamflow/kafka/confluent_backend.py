@@ -7,8 +7,9 @@ Tuned from measurements on this kind of machine (../shared/research/kafka.md): w
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 from confluent_kafka import OFFSET_INVALID, Consumer, KafkaError, KafkaException
 from confluent_kafka import TopicPartition as CkTopicPartition
@@ -18,6 +19,8 @@ from beamflow.kafka.record import KafkaRecord, TopicPartition
 
 __all__ = ["TUNED_DEFAULTS", "ConfluentConsumer"]
 
+T = TypeVar("T")
+
 TUNED_DEFAULTS: dict[str, Any] = {
     "fetch.queue.backoff.ms": 0,
     "fetch.wait.max.ms": 10,
@@ -26,6 +29,33 @@ TUNED_DEFAULTS: dict[str, Any] = {
     "fetch.max.bytes": 52428800,
     "max.partition.fetch.bytes": 4194304,
 }
+
+
+# Group-coordinator errors a broker answers while it (re)loads the offsets topic: after a start, a restart or a
+# coordinator move. They clear within seconds; anything else is raised at once.
+_COORDINATOR_RETRIABLE = frozenset(
+    {
+        KafkaError.NOT_COORDINATOR,
+        KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+        KafkaError.COORDINATOR_NOT_AVAILABLE,
+        KafkaError._WAIT_COORD,
+        KafkaError._TIMED_OUT,
+        KafkaError._TRANSPORT,
+    }
+)
+
+
+def _retry_coordinator(call: Callable[[], T], attempts: int = 20) -> T:
+    for attempt in range(attempts):
+        try:
+            return call()
+        except KafkaException as exc:
+            error = exc.args[0] if exc.args else None
+            code = error.code() if isinstance(error, KafkaError) else None
+            if code not in _COORDINATOR_RETRIABLE or attempt == attempts - 1:
+                raise
+            time.sleep(min(2.0, 0.1 * 2**attempt))
+    raise AssertionError("unreachable")
 
 
 class ConfluentConsumer(KafkaConsumerClient):
@@ -97,13 +127,17 @@ class ConfluentConsumer(KafkaConsumerClient):
         return int(low), int(high)
 
     def committed(self, tp: TopicPartition, timeout_s: float = 10.0) -> int | None:
-        [result] = self._consumer.committed([CkTopicPartition(tp.topic, tp.partition)], timeout=timeout_s)
+        [result] = _retry_coordinator(
+            lambda: self._consumer.committed([CkTopicPartition(tp.topic, tp.partition)], timeout=timeout_s)
+        )
         return None if result.offset in (OFFSET_INVALID, -1) else int(result.offset)
 
     def commit(self, offsets: Mapping[TopicPartition, int]) -> None:
-        self._consumer.commit(
-            offsets=[CkTopicPartition(tp.topic, tp.partition, off) for tp, off in offsets.items()],
-            asynchronous=False,
+        _retry_coordinator(
+            lambda: self._consumer.commit(
+                offsets=[CkTopicPartition(tp.topic, tp.partition, off) for tp, off in offsets.items()],
+                asynchronous=False,
+            )
         )
 
     def offset_for_time(self, tp: TopicPartition, timestamp_ms: int, timeout_s: float = 10.0) -> int | None:

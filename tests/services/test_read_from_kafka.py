@@ -153,3 +153,29 @@ def test_a_partition_added_while_reading_is_read(kafka: ServiceState) -> None:
         )
     finally:
         grower.join()
+
+
+def test_per_partition_metrics_report_records_and_lag(kafka: ServiceState) -> None:
+    from apache_beam.metrics.metric import MetricsFilter
+
+    bootstrap = kafka.info["bootstrap"]
+    topic = _topic("metrics")
+    create_topic(bootstrap, topic, 2)
+    produce(bootstrap, topic, ((None, f"v{i}".encode(), {"partition": i % 2}) for i in range(300)))
+    p = beam.Pipeline(options=local_options())
+    _ = p | ReadFromKafka(bootstrap, [topic], _topic("g"), stop=StopPolicy(at_end_offsets=True))
+    result = p.run()
+    result.wait_until_finish()
+    metrics = result.metrics()
+    per_partition = {
+        r.key.metric.name: r.committed
+        for r in metrics.query(MetricsFilter().with_namespace("beamflow.kafka"))["counters"]
+        if r.key.metric.name.startswith("records_read.")
+    }
+    assert per_partition == {f"records_read.{topic}-0": 150, f"records_read.{topic}-1": 150}
+    lags = {
+        r.key.metric.name: r.committed.value
+        for r in metrics.query(MetricsFilter().with_namespace("beamflow.kafka"))["gauges"]
+        if r.key.metric.name.startswith("lag.")
+    }
+    assert lags == {f"lag.{topic}-0": 0, f"lag.{topic}-1": 0}  # read to the end
