@@ -135,7 +135,7 @@ class DecodeAvro(beam.PTransform):
         self.reader_schema = reader_schema
 
     def expand(self, records: beam.PCollection) -> DecodeAvroResult:
-        outputs = records | "Decode" >> beam.ParDo(
-            _DecodeFn(self.registry_url, self.reader_schema)
-        ).with_outputs(DEAD_LETTERS, main="decoded")
+        outputs = records | "Decode" >> beam.ParDo(_DecodeFn(self.registry_url, self.reader_schema)).with_outputs(
+            DEAD_LETTERS, main="decoded"
+        )
         return DecodeAvroResult(outputs.decoded, outputs[DEAD_LETTERS])

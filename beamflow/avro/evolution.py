@@ -293,9 +293,7 @@ def avro_type_to_column(name: str, avro_type: Any) -> Column:
         if isinstance(base, str) and base in _PRIMITIVES:
             arrow_type, sql_type = _PRIMITIVES[base]
             return Column(name, arrow_type, sql_type, nullable)
-    raise UnsupportedTypeError(
-        f"field {name!r}: Avro type {json.dumps(avro_type)} has no flat column mapping"
-    )
+    raise UnsupportedTypeError(f"field {name!r}: Avro type {json.dumps(avro_type)} has no flat column mapping")
 
 
 def record_columns(schema: Mapping[str, Any] | str) -> list[Column]:

@@ -146,9 +146,7 @@ class SchemaRegistryClient:
         """The registered version of exactly this schema under ``subject``; raises if it is not registered."""
         text = canonical_schema(schema)
         result = self._request("POST", f"/subjects/{self._subject(subject)}", {"schema": text})
-        return RegisteredSchema(
-            subject, int(result["version"]), int(result["id"]), json.loads(result["schema"])
-        )
+        return RegisteredSchema(subject, int(result["version"]), int(result["id"]), json.loads(result["schema"]))
 
     def get_schema(self, schema_id: int) -> dict[str, Any]:
         """The schema with this id (cached). Raises ``SchemaNotFoundError`` if the registry has no such id."""

@@ -95,9 +95,7 @@ def test_mixed_writers_and_bad_input(registry: ServiceState) -> None:
     _COLLECTED.clear()
     pipeline = beam.Pipeline(options=local_options())
     decoded, dead = (
-        pipeline
-        | beam.Create(records, reshuffle=False)
-        | DecodeAvro(url, reader_schema=load_schema("click_v2"))
+        pipeline | beam.Create(records, reshuffle=False) | DecodeAvro(url, reader_schema=load_schema("click_v2"))
     )
     _ = decoded | "CollectDecoded" >> _collect("decoded")
     _ = dead | "CollectDead" >> _collect("dead")

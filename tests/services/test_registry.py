@@ -102,15 +102,10 @@ def test_cli_schema_check_verdicts(
         paths[name].write_text(json.dumps(schema))
 
     def check(name: str, *extra: str) -> int:
-        return main(
-            ["schema", "check", "--subject", subject, "--schema", str(paths[name]), "--registry", url, *extra]
-        )
+        return main(["schema", "check", "--subject", subject, "--schema", str(paths[name]), "--registry", url, *extra])
 
     assert check("v1") == 0  # a new subject: first version
-    assert (
-        main(["schema", "register", "--subject", subject, "--schema", str(paths["v1"]), "--registry", url])
-        == 0
-    )
+    assert main(["schema", "register", "--subject", subject, "--schema", str(paths["v1"]), "--registry", url]) == 0
     SchemaRegistryClient(url).set_compatibility("BACKWARD", subject)
 
     table = f"clicks_{uuid.uuid4().hex[:8]}"

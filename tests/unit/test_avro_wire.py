@@ -50,9 +50,7 @@ def test_header_without_body() -> None:
 def test_errors_share_a_base_and_distinct_codes() -> None:
     codes = {cls.code for cls in (BadMagicByteError, EmptyBodyError, TruncatedHeaderError)}
     assert len(codes) == 3
-    assert all(
-        issubclass(c, WireFormatError) for c in (BadMagicByteError, EmptyBodyError, TruncatedHeaderError)
-    )
+    assert all(issubclass(c, WireFormatError) for c in (BadMagicByteError, EmptyBodyError, TruncatedHeaderError))
 
 
 @pytest.mark.parametrize("schema_id", [-1, 2**31])
