@@ -6,6 +6,7 @@ run that selects only unit tests starts nothing.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from collections.abc import Iterator
@@ -27,6 +28,10 @@ def service_set() -> Iterator[ServiceSet]:
     started: list[str] = []
     services.started = started  # type: ignore[attr-defined]
     yield services
+    # kafka-python clients left in finished pipelines keep reconnecting in background threads; once the broker is
+    # gone they would log into pytest's closed capture streams. Their reconnect noise says nothing about the run.
+    logging.getLogger("kafka").setLevel(logging.CRITICAL)
+    logging.raiseExceptions = False
     # Stop in reverse start order; no orphan JVMs or postgres after the run.
     if started:
         services.down(started)
