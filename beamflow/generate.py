@@ -170,15 +170,23 @@ def generate_traffic(spec: TrafficSpec, encode: Encoder) -> GeneratedTraffic:
     return out
 
 
-def produce_traffic(bootstrap: str, topic: str, traffic: GeneratedTraffic) -> int:
-    """Sends the generated records in order with acks=all and idempotence; returns how many the broker acked."""
+def produce_traffic(bootstrap: str, topic: str, traffic: GeneratedTraffic, rate: float | None = None) -> int:
+    """Sends the generated records in order with acks=all and idempotence; returns how many the broker acked.
+
+    ``rate`` (records/s) paces the sending, for a stream a running job consumes live; None sends as fast as possible.
+    """
     from beamflow.kafka.admin import produce
 
-    return produce(
-        bootstrap,
-        topic,
-        ((r.key, r.value, {"partition": r.partition, "timestamp_ms": r.timestamp_ms}) for r in traffic.records),
-    )
+    def paced() -> Iterator[tuple[bytes | None, bytes | None, dict[str, Any]]]:
+        start = time.monotonic()
+        for i, r in enumerate(traffic.records):
+            if rate:
+                ahead = i / rate - (time.monotonic() - start)
+                if ahead > 0:
+                    time.sleep(ahead)
+            yield (r.key, r.value, {"partition": r.partition, "timestamp_ms": r.timestamp_ms})
+
+    return produce(bootstrap, topic, paced())
 
 
 def load_click_schema(version: int) -> dict[str, Any]:

@@ -16,6 +16,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--registry", default="auto", help="schema registry URL (default: the local service)")
     parser.add_argument("--topic", default="clicks")
     parser.add_argument("--subject", default="clicks-value")
+    parser.add_argument("--rate", type=float, default=None, help="records/s to send at (default: as fast as possible)")
     for f in fields(TrafficSpec):
         flag = "--" + f.name.replace("_", "-")
         parser.add_argument(flag, dest=f.name, default=None, type=_parser_for(f.type), help=f"default {f.default}")
@@ -46,6 +47,6 @@ def run(args: argparse.Namespace) -> int:
     spec = spec_from_args(args)
     create_topic(bootstrap, args.topic, spec.partitions)
     traffic = generate_traffic(spec, avro_click_encoder(registry, args.subject))
-    acked = produce_traffic(bootstrap, args.topic, traffic)
+    acked = produce_traffic(bootstrap, args.topic, traffic, rate=args.rate)
     print(json.dumps({"topic": args.topic, "acked": acked, **traffic.summary()}, indent=2))
     return 0
