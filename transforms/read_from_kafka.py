@@ -33,9 +33,10 @@ from typing import Any
 import apache_beam as beam
 from apache_beam.io.iobase import RestrictionTracker, WatermarkEstimator
 from apache_beam.io.restriction_trackers import OffsetRange, OffsetRestrictionTracker
+from apache_beam.io.watermark_estimators import WalltimeWatermarkEstimator
 from apache_beam.metrics import Metrics
 from apache_beam.transforms.core import RestrictionProvider, WatermarkEstimatorProvider
-from apache_beam.transforms.window import GlobalWindow
+from apache_beam.transforms.window import GlobalWindow, TimestampedValue
 from apache_beam.utils.timestamp import Duration, Timestamp
 from apache_beam.utils.windowed_value import create as windowed_value
 
@@ -376,6 +377,11 @@ class _UnboundedReadPartitionFn(_ReadPartitionFn):
         return self._read(element, bundle_finalizer, tracker, watermark_estimator)
 
 
+# The partition watcher's watermark. Without an estimator an unbounded watcher holds its output watermark at the
+# minimum forever, and with it every downstream watermark: no event-time window would ever fire in a stream.
+_WALL_CLOCK = WalltimeWatermarkEstimator.default_provider()
+
+
 class _WatchPartitionsFn(beam.DoFn, RestrictionProvider):
     """Emits each partition of a topic exactly once, including partitions added while the job runs.
 
@@ -409,10 +415,15 @@ class _WatchPartitionsFn(beam.DoFn, RestrictionProvider):
         if self._client is not None:
             self._client.close()
 
-    def process(self, topic: str, tracker: Any = beam.DoFn.RestrictionParam()) -> Iterator[TopicPartition]:
+    def process(
+        self,
+        topic: str,
+        tracker: Any = beam.DoFn.RestrictionParam(),
+        _wm: Any = beam.DoFn.WatermarkEstimatorParam(_WALL_CLOCK),
+    ) -> Iterator[Any]:
         return self._watch(topic, tracker)
 
-    def _watch(self, topic: str, tracker: Any) -> Iterator[TopicPartition]:
+    def _watch(self, topic: str, tracker: Any) -> Iterator[Any]:
         if self._client is None:
             self._client = self._config.consumer()
         existing = set(self._client.partitions(topic))
@@ -420,7 +431,9 @@ class _WatchPartitionsFn(beam.DoFn, RestrictionProvider):
         while position in existing:
             if not tracker.try_claim(position):
                 return
-            yield TopicPartition(topic, position)
+            # Stamped with the wall clock, as the watcher's watermark is: a descriptor is never late, and the
+            # watcher (which may wait forever for new partitions) never holds event time back.
+            yield TimestampedValue(TopicPartition(topic, position), time.time())
             position += 1
         until = self._config.stop.until_ms
         if until is not None and _now_ms() >= until:
@@ -431,8 +444,17 @@ class _WatchPartitionsFn(beam.DoFn, RestrictionProvider):
 
 class _UnboundedWatchPartitionsFn(_WatchPartitionsFn):
     @beam.DoFn.unbounded_per_element()
-    def process(self, topic: str, tracker: Any = beam.DoFn.RestrictionParam()) -> Iterator[TopicPartition]:
+    def process(
+        self,
+        topic: str,
+        tracker: Any = beam.DoFn.RestrictionParam(),
+        _wm: Any = beam.DoFn.WatermarkEstimatorParam(_WALL_CLOCK),
+    ) -> Iterator[Any]:
         return self._watch(topic, tracker)
+
+
+def _topics_of(_impulse: bytes, topics: list[str]) -> list[str]:
+    return topics
 
 
 class ReadFromKafka(beam.PTransform):
@@ -504,7 +526,10 @@ class ReadFromKafka(beam.PTransform):
         read = read_cls(self._config, self._event_time_fn)
         return (
             pbegin
-            | "Topics" >> beam.Create(self._topics)
+            # Impulse + FlatMap rather than Create: Create's expansion adds a pickled-Python reshuffle that portable
+            # runners (Prism) cannot run, and a lambda label that changes with Beam's source lines.
+            | "Impulse" >> beam.Impulse()
+            | "Topics" >> beam.FlatMap(_topics_of, self._topics)
             | "DiscoverPartitions" >> beam.ParDo(watch)
             # One partition per element from here on: let the runner spread them over workers.
             | "SpreadPartitions" >> beam.Reshuffle()

@@ -1,0 +1,73 @@
+"""Seed 002, question 3: one silent partition must not stop windows from firing (on a real streaming runner)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+
+import apache_beam as beam
+import pytest
+from apache_beam.transforms.window import FixedWindows
+
+from beamflow.kafka.admin import create_topic, produce
+from beamflow.services import ServiceState
+from runners.prism import prism_options
+from transforms.read_from_kafka import ReadFromKafka, StopPolicy
+
+pytestmark = pytest.mark.services
+
+
+class _RecordFiring(beam.DoFn):
+    """Writes each fired window's wall-clock firing time to a file (the runner may live in another thread)."""
+
+    def __init__(self, out: str) -> None:
+        self._out = out
+
+    def process(self, kv: tuple[str, int], window: object = beam.DoFn.WindowParam) -> None:
+        with open(self._out, "a") as f:
+            f.write(f"{time.time() * 1000:.0f} {kv[1]}\n")
+
+
+def _fire_times(kafka: ServiceState, idle_timeout_ms: int | None, out: Path) -> tuple[int, list[tuple[int, int]]]:
+    bootstrap = kafka.info["bootstrap"]
+    topic = f"idle-{uuid.uuid4().hex[:8]}"
+    create_topic(bootstrap, topic, 4)
+    now = int(time.time() * 1000)
+    # Partitions 0-2 hold ten minutes of data ending five minutes ago; partition 3 never receives a record.
+    produce(
+        bootstrap,
+        topic,
+        ((None, b"x", {"partition": i % 3, "timestamp_ms": now - 900_000 + i * 200}) for i in range(3000)),
+    )
+    until = now + 30_000
+    with beam.Pipeline(options=prism_options()) as p:
+        (
+            p
+            | "Read"
+            >> ReadFromKafka(
+                bootstrap,
+                [topic],
+                f"g-{uuid.uuid4().hex[:6]}",
+                stop=StopPolicy(until_ms=until),
+                idle_timeout_ms=idle_timeout_ms,
+                commit_offsets=False,  # Prism 2.62 does not support bundle finalization
+            )
+            | "Minutes" >> beam.WindowInto(FixedWindows(60))
+            | "One" >> beam.Map(lambda r: ("k", 1))
+            | "Count" >> beam.CombinePerKey(sum)  # type: ignore[arg-type]
+            | "Fired" >> beam.ParDo(_RecordFiring(str(out)))
+        )
+    lines = out.read_text().split() if out.exists() else []
+    pairs = [(int(lines[i]), int(lines[i + 1])) for i in range(0, len(lines), 2)]
+    return until, pairs
+
+
+def test_windows_fire_mid_stream_with_idleness_and_not_without(kafka: ServiceState, tmp_path: Path) -> None:
+    until, fired = _fire_times(kafka, 3_000, tmp_path / "on.txt")
+    assert sum(n for _, n in fired) == 3000  # every record counted in some window
+    assert fired and max(t for t, _ in fired) < until, "with idleness the windows fire while the read still runs"
+
+    until, fired = _fire_times(kafka, None, tmp_path / "off.txt")
+    assert sum(n for _, n in fired) == 3000
+    assert min(t for t, _ in fired) >= until, "without idleness the silent partition holds every window back"
