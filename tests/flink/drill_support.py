@@ -1,0 +1,457 @@
+"""Failure drills for the clicks job on the real local Flink cluster: submit, feed, disrupt, sample, audit.
+
+Each job instance runs in its own process (``python -m pipelines.clicks --runner=FlinkRunner``) with LOOPBACK workers,
+like a separate deployment: killing or cancelling one never touches the test process, and two instances of the same job
+(the zombie drill) do not share a Python worker. The test process produces traffic, samples the consumer group's
+committed offsets against what the sinks hold, and audits the sinks at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from beamflow.config import load_config
+from beamflow.flink_rest import TERMINAL_STATES, FlinkRest
+from beamflow.generate import ClickRecord, GeneratedTraffic, TrafficSpec, avro_click_encoder, generate_traffic
+from beamflow.services import ServiceState
+from beamflow.services.paths import project_root
+from runners.flink import staged_jars
+
+__all__ = [
+    "DrillJob",
+    "OffsetSampler",
+    "TrafficFeeder",
+    "drill_config",
+    "latest_retained_checkpoint",
+    "sink_holdings",
+    "wait_for_sinks",
+]
+
+ROOT = project_root()
+
+
+def drill_config(
+    name: str,
+    kafka: ServiceState,
+    postgres: ServiceState,
+    registry: ServiceState,
+    flink: ServiceState,
+    data_dir: Path,
+    **flink_overrides: Any,
+) -> dict[str, Any]:
+    """The clicks job's configuration with a unique topic, group, tables and sink id, streaming on the local cluster."""
+    run = f"{name}_{uuid.uuid4().hex[:6]}"
+    config = load_config(ROOT / "conf" / "clicks.yaml")
+    config["job"]["name"] = run
+    config["kafka"].update(
+        bootstrap=kafka.info["bootstrap"],
+        topic=f"drill-{run}",
+        group_id=f"drill-{run}",
+        partitions=2,
+        bounded=False,
+        max_delay_ms=2000,
+        idle_timeout_ms=5000,
+    )
+    config["registry"].update(url=registry.info["url"], subject=f"drill-{run}-value")
+    config["postgres"].update(
+        dsn=postgres.info["dsn"],
+        sessions_table=f"sessions_{run}",
+        dead_letters_table=f"dead_{run}",
+        quarantine_table=f"quarantine_{run}",
+    )
+    warehouse = data_dir / "iceberg" / "warehouse"
+    warehouse.mkdir(parents=True, exist_ok=True)
+    config["iceberg"].update(
+        catalog={"uri": f"sqlite:///{data_dir / 'iceberg' / 'catalog.db'}", "warehouse": f"file://{warehouse}"},
+        table=f"drills.impressions_{run}",
+        sink_id=f"drill-{run}".replace("_", "-"),
+        commit_interval_s=2,
+    )
+    # Sessions close 20 s of event time after a user's last click, so they are written while the drill runs.
+    config["sessions"].update(detect_hot_keys=False, gap_s=20)
+    config["_rest_url"] = flink.info["rest_url"]  # for the drills only; the job ignores unknown top-level keys
+    config["flink"].update(
+        job_endpoint=flink.info["job_endpoint"],
+        environment="LOOPBACK",
+        files_to_stage=staged_jars(Path(flink.info["job_server_classpath"])),
+        parallelism=1,
+        checkpointing_interval_ms=3000,
+        min_pause_between_checkpoints_ms=1000,
+        checkpoint_timeout_ms=60000,
+        retained_checkpoints=True,
+        restart_strategy={"type": "fixed-delay", "attempts": 20, "delay_ms": 2000},
+        **flink_overrides,
+    )
+    return config
+
+
+def traffic_for(config: dict[str, Any], events: int, seed: int, v2_from: float | None = None) -> GeneratedTraffic:
+    spec = TrafficSpec(
+        events=events,
+        users=200,
+        partitions=int(config["kafka"]["partitions"]),
+        duplicate_share=0.05,
+        bad_per_kind=2,
+        idle_partition=None,
+        v2_from=v2_from,
+        seed=seed,
+    )
+    return generate_traffic(spec, avro_click_encoder(config["registry"]["url"], config["registry"]["subject"]))
+
+
+class DrillJob:
+    """One submission of the clicks job in its own process; ``job_id`` is found through Flink REST by job name."""
+
+    def __init__(self, config: dict[str, Any], work_dir: Path, label: str, extra_args: tuple[str, ...] = ()) -> None:
+        self.config = json.loads(json.dumps(config))
+        self.job_name = f"{config['job']['name']}-{label}"
+        self.config["flink"]["job_name"] = self.job_name
+        self.rest = FlinkRest(_rest_url(config))
+        work_dir.mkdir(parents=True, exist_ok=True)
+        self.conf_path = work_dir / f"{label}.yaml"
+        self.conf_path.write_text(yaml.safe_dump(self.config))
+        self.log_path = work_dir / f"{label}.log"
+        self.extra_args = extra_args
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.job_id: str | None = None
+        self.submitted_s = 0.0
+
+    def start(self, timeout: float = 240) -> DrillJob:
+        started = time.monotonic()
+        argv = [sys.executable, "-m", "pipelines.clicks", "--runner=FlinkRunner", f"--conf={self.conf_path}"]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [*argv, *self.extra_args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        deadline = time.monotonic() + timeout
+        while self.job_id is None:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.job_name} not submitted after {timeout}s; see {self.log_path}")
+            if self.proc.poll() is not None:
+                raise AssertionError(f"{self.job_name} submitter exited {self.proc.returncode}: {self.log_tail()}")
+            with contextlib.suppress(Exception):
+                for job in self.rest.jobs():
+                    if job.name == self.job_name and job.state not in TERMINAL_STATES:
+                        self.job_id = job.job_id
+            time.sleep(1)
+        self.rest.wait_for_state(self.job_id, {"RUNNING"}, timeout=120)
+        self.submitted_s = time.monotonic() - started
+        return self
+
+    def wait_for_checkpoints(self, more: int = 1, timeout: float = 120) -> int:
+        assert self.job_id
+        done = self.rest.completed_checkpoints(self.job_id)
+        return self.rest.wait_for_checkpoints(self.job_id, done + more, timeout)
+
+    def cancel(self) -> None:
+        if self.job_id:
+            with contextlib.suppress(Exception):
+                if self.rest.job_state(self.job_id) not in TERMINAL_STATES:
+                    self.rest.cancel(self.job_id)
+                    self.rest.wait_for_state(self.job_id, {"CANCELED"}, timeout=60)
+        self.reap()
+
+    def reap(self, timeout: float = 30) -> None:
+        """Ends the submitter process (its LOOPBACK workers with it)."""
+        if self.proc is None:
+            return
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
+
+
+def _rest_url(config: dict[str, Any]) -> str:
+    return str(config["_rest_url"])
+
+
+class TrafficFeeder(threading.Thread):
+    """Produces generated records in ``chunks`` slices, ``pause_s`` apart, while the job runs."""
+
+    def __init__(self, config: dict[str, Any], records: list[ClickRecord], chunks: int, pause_s: float) -> None:
+        super().__init__(daemon=True)
+        self.config = config
+        self.records = records
+        self.chunks = chunks
+        self.pause_s = pause_s
+        self.sent = 0
+        self.error: BaseException | None = None
+        self._resume = threading.Event()
+        self._resume.set()
+
+    def pause(self) -> None:
+        self._resume.clear()
+
+    def resume(self) -> None:
+        self._resume.set()
+
+    def run(self) -> None:
+        from beamflow.kafka.admin import produce
+
+        size = -(-len(self.records) // self.chunks)
+        try:
+            for start in range(0, len(self.records), size):
+                self._resume.wait()
+                chunk = self.records[start : start + size]
+                for attempt in range(30):  # the broker-restart drill takes the broker away for a while
+                    try:
+                        produce(
+                            self.config["kafka"]["bootstrap"],
+                            self.config["kafka"]["topic"],
+                            (
+                                (r.key, r.value, {"partition": r.partition, "timestamp_ms": r.timestamp_ms})
+                                for r in chunk
+                            ),
+                        )
+                        break
+                    except Exception:
+                        if attempt == 29:
+                            raise
+                        time.sleep(2)
+                self.sent += len(chunk)
+                time.sleep(self.pause_s)
+        except BaseException as exc:  # reported by the test
+            self.error = exc
+
+
+def sink_holdings(config: dict[str, Any]) -> dict[int, int]:
+    """Per partition, the highest offset the sinks account for: Iceberg marks, dead letters, quarantine."""
+    import psycopg
+    from psycopg import sql
+
+    from beamflow.iceberg.catalog import CatalogConfig, open_catalog
+    from beamflow.iceberg.committer import read_marks
+
+    topic = config["kafka"]["topic"]
+    held: dict[int, int] = defaultdict(lambda: -1)
+    ice = config["iceberg"]
+    catalog = open_catalog(CatalogConfig(warehouse=ice["catalog"]["warehouse"], uri=ice["catalog"]["uri"]))
+    with contextlib.suppress(Exception):  # the table appears with the first commit
+        for partition, mark in read_marks(catalog.load_table(ice["table"]), ice["sink_id"]).get(topic, {}).items():
+            held[partition] = max(held[partition], mark)
+    pg = config["postgres"]
+    with psycopg.connect(pg["dsn"], autocommit=True) as conn:
+        for key in ("dead_letters_table", "quarantine_table"):
+            with contextlib.suppress(psycopg.errors.UndefinedTable):
+                rows = conn.execute(
+                    sql.SQL("SELECT kafka_partition, max(kafka_offset) FROM {} WHERE topic = %s GROUP BY 1").format(
+                        sql.Identifier(pg[key])
+                    ),
+                    (topic,),
+                ).fetchall()
+                for partition, offset in rows:
+                    if partition is not None and offset is not None:
+                        held[int(partition)] = max(held[int(partition)], int(offset))
+    return dict(held)
+
+
+def committed_offsets(config: dict[str, Any]) -> dict[int, int]:
+    """The consumer group's committed offsets (next offset to read) per partition; absent = nothing committed."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    kafka = config["kafka"]
+    consumer = Consumer(
+        {"bootstrap.servers": kafka["bootstrap"], "group.id": kafka["group_id"], "enable.auto.commit": False}
+    )
+    try:
+        parts = [TopicPartition(kafka["topic"], p) for p in range(int(kafka["partitions"]))]
+        return {tp.partition: tp.offset for tp in consumer.committed(parts, timeout=10) if tp.offset >= 0}
+    finally:
+        consumer.close()
+
+
+@dataclass
+class OffsetSample:
+    at_s: float
+    committed: dict[int, int]
+    held: dict[int, int]
+
+    def ahead(self) -> dict[int, tuple[int, int]]:
+        """Partitions whose committed offset is past what the sinks hold: partition -> (committed, held + 1)."""
+        return {p: (c, self.held.get(p, -1) + 1) for p, c in self.committed.items() if c > self.held.get(p, -1) + 1}
+
+
+class OffsetSampler(threading.Thread):
+    """Samples committed offsets, then (strictly after) the sinks: a commit ahead of the sinks is a loss risk."""
+
+    def __init__(self, config: dict[str, Any], interval_s: float = 2.0) -> None:
+        super().__init__(daemon=True)
+        self.config = config
+        self.interval_s = interval_s
+        self.samples: list[OffsetSample] = []
+        self.errors: list[str] = []
+        self._stop_event = threading.Event()
+        self._t0 = time.monotonic()
+
+    def run(self) -> None:
+        while not self._stop_event.wait(self.interval_s):
+            self.sample()
+
+    def sample(self) -> None:
+        try:
+            committed = committed_offsets(self.config)
+            held = sink_holdings(self.config)
+            self.samples.append(OffsetSample(round(time.monotonic() - self._t0, 1), committed, held))
+        except Exception as exc:  # the broker may be down in a drill
+            self.errors.append(f"{type(exc).__name__}: {exc}")
+
+    def finish(self) -> list[OffsetSample]:
+        self._stop_event.set()
+        self.join(30)
+        self.sample()
+        return self.samples
+
+    def violations(self) -> list[OffsetSample]:
+        return [s for s in self.samples if s.ahead()]
+
+
+def accounted_offsets(config: dict[str, Any]) -> dict[str, Any]:
+    """Every Kafka coordinate the sinks hold, by sink: Iceberg rows, dead letters, quarantined duplicates."""
+    import psycopg
+    from psycopg import sql
+
+    from beamflow.iceberg.catalog import CatalogConfig, open_catalog
+
+    ice = config["iceberg"]
+    catalog = open_catalog(CatalogConfig(warehouse=ice["catalog"]["warehouse"], uri=ice["catalog"]["uri"]))
+    table = catalog.load_table(ice["table"]).scan(selected_fields=("partition", "offset", "event_id")).to_arrow()
+    out: dict[str, Any] = {
+        "iceberg": list(zip(table["partition"].to_pylist(), table["offset"].to_pylist(), strict=True)),
+        "event_ids": table["event_id"].to_pylist(),
+    }
+    pg = config["postgres"]
+    with psycopg.connect(pg["dsn"], autocommit=True) as conn:
+        for name, key in (("dead", "dead_letters_table"), ("quarantine", "quarantine_table")):
+            rows = conn.execute(
+                sql.SQL("SELECT kafka_partition, kafka_offset FROM {}").format(sql.Identifier(pg[key]))
+            ).fetchall()
+            out[name] = [(int(p), int(o)) for p, o in rows]
+    return out
+
+
+def sink_counts(config: dict[str, Any]) -> dict[str, int]:
+    """Distinct Iceberg event ids, dead letters and quarantined records now (0 for a table not created yet)."""
+    import psycopg
+    from psycopg import sql
+
+    from beamflow.iceberg.catalog import CatalogConfig, open_catalog
+
+    out = {"iceberg_distinct_ids": 0, "dead_letters": 0, "quarantined": 0}
+    ice = config["iceberg"]
+    catalog = open_catalog(CatalogConfig(warehouse=ice["catalog"]["warehouse"], uri=ice["catalog"]["uri"]))
+    with contextlib.suppress(Exception):
+        ids = catalog.load_table(ice["table"]).scan(selected_fields=("event_id",)).to_arrow()["event_id"]
+        out["iceberg_distinct_ids"] = len(set(ids.to_pylist()))
+    pg = config["postgres"]
+    with psycopg.connect(pg["dsn"], autocommit=True) as conn:
+        for name, key in (("dead_letters", "dead_letters_table"), ("quarantined", "quarantine_table")):
+            with contextlib.suppress(psycopg.errors.UndefinedTable):
+                row = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(pg[key]))).fetchone()
+                out[name] = int(row[0]) if row else 0
+    return out
+
+
+def wait_for_sinks(config: dict[str, Any], traffic: GeneratedTraffic, timeout: float = 180) -> dict[str, int]:
+    """Polls the sinks until they hold every produced record (or the timeout); returns the last counts."""
+    deadline = time.monotonic() + timeout
+    want = (traffic.counts["events"], traffic.counts["bad_records"], traffic.counts["duplicate_sends"])
+    counts: dict[str, int] = {}
+    while time.monotonic() < deadline:
+        counts = sink_counts(config)
+        if (counts["iceberg_distinct_ids"], counts["dead_letters"], counts["quarantined"]) >= want:
+            return counts
+        time.sleep(3)
+    return counts
+
+
+def latest_retained_checkpoint(checkpoints_dir: Path, job_id: str) -> str:
+    """The newest ``chk-N`` folder of a job that has its ``_metadata`` (a complete, restorable checkpoint)."""
+    folders = [p for p in (checkpoints_dir / job_id).glob("chk-*") if (p / "_metadata").exists()]
+    if not folders:
+        raise AssertionError(f"no retained checkpoint with _metadata under {checkpoints_dir / job_id}")
+    return str(max(folders, key=lambda p: int(p.name.split("-")[1])))
+
+
+def expected_coordinates(traffic: GeneratedTraffic) -> dict[str, set[tuple[int, int]]]:
+    """Where each produced record landed in Kafka (records of a partition get consecutive offsets from 0)."""
+    next_offset: dict[int, int] = defaultdict(int)
+    out: dict[str, set[tuple[int, int]]] = {"event": set(), "duplicate": set(), "bad": set()}
+    for record in traffic.records:
+        coordinate = (record.partition, next_offset[record.partition])
+        next_offset[record.partition] += 1
+        out[record.kind.split(":")[0]].add(coordinate)
+    return out
+
+
+def session_key_duplicates(config: dict[str, Any]) -> int:
+    """Session keys written twice (0 when no session was written: on Flink with Beam 2.62 windows never fire)."""
+    import psycopg
+    from psycopg import sql
+
+    pg = config["postgres"]
+    with psycopg.connect(pg["dsn"], autocommit=True) as conn:
+        try:
+            row = conn.execute(
+                sql.SQL(
+                    "SELECT count(*) FROM (SELECT user_id, session_start FROM {} GROUP BY 1, 2 HAVING count(*) > 1) d"
+                ).format(sql.Identifier(pg["sessions_table"]))
+            ).fetchone()
+        except psycopg.errors.UndefinedTable:
+            return 0
+        return int(row[0]) if row else 0
+
+
+def check_exactly_once(config: dict[str, Any], traffic: GeneratedTraffic) -> list[str]:
+    """Every produced record in exactly the sink it belongs to, once; returns the problems found (empty = clean)."""
+    from pyiceberg.exceptions import NoSuchTableError
+
+    from beamflow.iceberg.audit import audit_table
+    from beamflow.iceberg.catalog import CatalogConfig, open_catalog
+
+    problems: list[str] = []
+    counts = sink_counts(config)
+    ice = config["iceberg"]
+    catalog = open_catalog(CatalogConfig(warehouse=ice["catalog"]["warehouse"], uri=ice["catalog"]["uri"]))
+    try:
+        table = catalog.load_table(ice["table"])
+    except NoSuchTableError:
+        return [f"the Iceberg table {ice['table']} was never created (no batch committed); sinks hold {counts}"]
+    report = audit_table(table, id_column="event_id")
+    held = accounted_offsets(config)
+    expected = expected_coordinates(traffic)
+    if report.rows != traffic.counts["events"]:
+        problems.append(f"iceberg rows {report.rows} != produced events {traffic.counts['events']}")
+    if counts["iceberg_distinct_ids"] != traffic.counts["events"]:
+        problems.append(f"iceberg distinct ids {counts['iceberg_distinct_ids']} != {traffic.counts['events']}")
+    if report.duplicate_ids:
+        problems.append(f"{report.duplicate_ids} duplicate event ids in iceberg, e.g. {report.duplicate_id_sample}")
+    if report.files_referenced_twice:
+        problems.append(f"files referenced twice: {report.files_referenced_twice[:3]}")
+    duplicate_sessions = session_key_duplicates(config)
+    if duplicate_sessions:
+        problems.append(f"{duplicate_sessions} duplicate session keys in PostgreSQL")
+    for sink, kind in (("iceberg", "event"), ("quarantine", "duplicate"), ("dead", "bad")):
+        got = held[sink]
+        if len(got) != len(set(got)):
+            problems.append(f"{sink}: {len(got) - len(set(got))} coordinates held twice")
+        if set(got) != expected[kind]:
+            missing = sorted(expected[kind] - set(got))
+            extra = sorted(set(got) - expected[kind])
+            problems.append(f"{sink}: missing {len(missing)} {missing[:5]}, unexpected {len(extra)} {extra[:5]}")
+    return problems
