@@ -293,10 +293,6 @@ def restore_drill(
                 job.cancel()
 
 
-def _ahead(samples: list[OffsetSample]) -> list[tuple[float, dict[int, tuple[int, int]]]]:
-    return [(s.at_s, s.ahead()) for s in samples if s.ahead()]
-
-
 def test_jobmanager_failover_and_savepoint_with_schema_v2_leave_every_record_exactly_once(
     restore_drill: DrillResult,
 ) -> None:
