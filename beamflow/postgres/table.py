@@ -154,6 +154,10 @@ def create_table(conn: psycopg.Connection[Any], spec: TableSpec) -> None:
         columns=sql.SQL(", ").join(column_defs),
         key=sql.SQL(", ").join(sql.Identifier(k) for k in spec.key),
     )
+    # Parallel workers create the same table at once, and CREATE TABLE IF NOT EXISTS is not safe against that (the
+    # loser fails on pg_type's unique index). A transaction-scoped advisory lock serialises them; the caller's
+    # transaction (the pool's connection block) releases it on commit.
+    conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"beamflow.create_table:{spec.display_name}",))
     if spec.schema:
         conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(spec.schema)))
     conn.execute(statement)

@@ -363,3 +363,30 @@ def test_batches_flush_by_rows_bytes_and_age(postgres: ServiceState, conn: Any) 
         writer.add({"id": 1_001, "blob": "z"})
         assert writer.buffered == 0
     assert _count(conn, table) == 7 + 64 + 2
+
+
+def test_parallel_writers_create_the_same_table_without_a_race(postgres: ServiceState) -> None:
+    import threading
+
+    import psycopg
+
+    from beamflow.postgres.table import TableSpec, create_table
+
+    spec = TableSpec(f"race_{uuid.uuid4().hex[:8]}", key=("k",), columns={"k": "text", "v": "bigint"})
+    errors: list[BaseException] = []
+    start = threading.Barrier(8)
+
+    def create() -> None:
+        try:
+            with psycopg.connect(postgres.info["dsn"]) as conn:
+                start.wait()
+                create_table(conn, spec)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=create) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
