@@ -120,7 +120,7 @@ def _windows(folder: Path) -> dict[str, str]:
 def test_windows_fire_while_running_only_with_idle_timeout(windows_job: tuple[Path, FlinkRest, str]) -> None:
     out, rest, job_id = windows_job
     rest.wait_for_checkpoints(job_id, 1, timeout=180)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 150
     while time.monotonic() < deadline and len(_windows(out / "idle")) < 2:
         time.sleep(2)
     fired = _windows(out / "idle")
