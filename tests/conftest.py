@@ -20,12 +20,6 @@ from beamflow.services.paths import cache_dir, project_root
 pytest_plugins: list[str] = []
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # Tests that kill or restart the shared services (the Flink failure drills) run last, so a restarted JobManager or
-    # TaskManager cannot disturb the tests that expect a quiet cluster. The sort is stable: order is kept otherwise.
-    items.sort(key=lambda item: item.get_closest_marker("disruptive") is not None)
-
-
 @pytest.fixture(scope="session")
 def service_set() -> Iterator[ServiceSet]:
     data = Path(os.environ.get("BEAMFLOW_TEST_DATA", project_root() / ".data" / "test"))

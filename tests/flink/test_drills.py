@@ -48,7 +48,7 @@ from tests.flink.drill_support import (
     wait_for_sinks,
 )
 
-pytestmark = [pytest.mark.flink, pytest.mark.disruptive]
+pytestmark = pytest.mark.flink
 
 EVENTS = 1200
 

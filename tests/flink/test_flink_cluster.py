@@ -13,6 +13,7 @@ from apache_beam.runners.runner import PipelineState
 
 from beamflow.flink_rest import FlinkRest
 from beamflow.services import ServiceState
+from beamflow.services.base import wait_until
 from beamflow.services.flink import FlinkService
 from beamflow.services.paths import cache_dir
 from runners.flink import options_for_service
@@ -96,7 +97,8 @@ def test_cluster_survives_a_killed_taskmanager_and_down_leaves_no_jvm(tmp_path: 
         old_pid = service.kill_taskmanager()
         restarted = service.restart_taskmanager()
         assert restarted.info["roles"]["taskmanager"] != old_pid
-        assert service.ready(restarted)
+        # The new TaskManager registers with the JobManager a few seconds after its process starts.
+        wait_until(lambda: service.ready(restarted), 120, "the restarted TaskManager to register")
         assert len(_processes_mentioning(str(service.home))) == 3  # jobmanager, taskmanager, job server
     finally:
         service.down()
