@@ -48,7 +48,9 @@ from tests.flink.drill_support import (
     wait_for_sinks,
 )
 
-pytestmark = pytest.mark.flink
+# Not in the default run: in about one run in four a freshly submitted job reads nothing (cause not found yet,
+# issue 8). Run with `./run test -m drills`.
+pytestmark = [pytest.mark.flink, pytest.mark.drills]
 
 EVENTS = 1200
 
