@@ -30,6 +30,8 @@ class _RecordFiring(beam.DoFn):
 
 
 def _fire_times(kafka: ServiceState, idle_timeout_ms: int | None, out: Path) -> tuple[int, list[tuple[int, int]]]:
+    # Options first: the first call builds Prism (minutes on a cold cache), which must not eat the read's time budget.
+    options = prism_options()
     bootstrap = kafka.info["bootstrap"]
     topic = f"idle-{uuid.uuid4().hex[:8]}"
     create_topic(bootstrap, topic, 4)
@@ -40,8 +42,8 @@ def _fire_times(kafka: ServiceState, idle_timeout_ms: int | None, out: Path) -> 
         topic,
         ((None, b"x", {"partition": i % 3, "timestamp_ms": now - 900_000 + i * 200}) for i in range(3000)),
     )
-    until = now + 30_000
-    with beam.Pipeline(options=prism_options()) as p:
+    until = now + 45_000
+    with beam.Pipeline(options=options) as p:
         (
             p
             | "Read"
