@@ -134,18 +134,31 @@ def check_config(config: Mapping[str, Any], partitions: int | None = None) -> li
                 "fix the slow operator first; if alignment still dominates, set flink.unaligned_checkpoints: true",
             )
         )
-    commit_s = _get(config, "iceberg.commit_interval_s")
-    if commit_s is not None and interval and float(commit_s) * 1000 < int(interval):
+    if flink and not flink.get("finish_bundle_before_checkpointing"):
         findings.append(
             Finding(
-                "sink-commit-shorter-than-checkpoint",
-                "warning",
-                f"Iceberg commit interval {commit_s}s is shorter than the checkpoint interval {int(interval) / 1000}s",
-                "commits more often than checkpoints make small files and snapshots that replay cannot line up "
-                "with (iceberg#2404: tiny files every checkpoint)",
-                "set iceberg.commit_interval_s to at least the checkpoint interval",
+                "offsets-ahead-of-sinks",
+                "error",
+                "bundles are not finished before checkpointing",
+                "Flink then checkpoints a bundle's pending output instead of delivering it, so the Kafka offsets "
+                "committed when the checkpoint completes can run ahead of what the sinks hold (seed 003)",
+                "set flink.finish_bundle_before_checkpointing: true",
             )
         )
+    if _get(config, "iceberg") and interval:
+        bundle_ms = int(flink.get("max_bundle_time_ms") or 1000)  # Beam's Flink runner default
+        if bundle_ms < int(interval):
+            findings.append(
+                Finding(
+                    "sink-commit-shorter-than-checkpoint",
+                    "warning",
+                    f"Iceberg commits every bundle ({bundle_ms / 1000}s), more often than the checkpoint interval "
+                    f"{int(interval) / 1000}s",
+                    "WriteToIceberg commits per bundle: more bundles than checkpoints make small files and "
+                    "snapshots (iceberg#2404: tiny files every checkpoint)",
+                    "set flink.max_bundle_time_ms to the checkpoint interval",
+                )
+            )
     consumer = _get(config, "kafka.consumer_config", {}) or {}
     if str(consumer.get("enable.auto.commit", consumer.get("enable_auto_commit", "false"))).lower() == "true":
         findings.append(

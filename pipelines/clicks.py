@@ -221,7 +221,6 @@ def build_pipeline(p: beam.Pipeline, config: dict[str, Any]) -> ClicksJob:
             ice["table"],
             catalog,
             sink_id=ice["sink_id"],
-            commit_interval_s=float(ice.get("commit_interval_s", 60)),
             partition_by=[("event_time", "day")],
             # Deduplication shuffles by event id, so a partition's offsets can reach the committer out of order:
             # exactly-once here rests on the deterministic event id (looked up within the batch's days), with the

@@ -10,6 +10,9 @@ from typing import Any, NamedTuple
 import apache_beam as beam
 import pyarrow as pa
 from apache_beam import pvalue
+from apache_beam.transforms.window import GlobalWindow
+from apache_beam.utils.timestamp import Timestamp
+from apache_beam.utils.windowed_value import WindowedValue
 
 from beamflow.deadletter import DeadLetter, encode_payload
 from beamflow.iceberg.catalog import CatalogConfig, open_catalog
@@ -207,6 +210,45 @@ class _CommitBatches(beam.DoFn):
         )
 
 
+class _CommitPerBundle(_CommitBatches):
+    """Unbounded input: stages the rows of one bundle and commits them before the bundle ends.
+
+    Why per bundle: a runner finalizes a bundle (and ``ReadFromKafka`` commits its offsets) only after the bundle's
+    work is durable. Rows kept in state past the bundle (``GroupIntoBatches``) would let the group's committed
+    offsets run ahead of the table; rows committed in ``finish_bundle`` never do. On Flink a bundle ends at every
+    checkpoint (``finish_bundle_before_checkpointing``) and after ``max_bundle_time_ms``/``max_bundle_size``, so the
+    commit cadence is the checkpoint cadence, as in Flink's own Iceberg sink. A batch is also committed as soon as
+    ``max_batch_rows`` rows are staged.
+    """
+
+    def start_bundle(self) -> None:
+        self._staged: list[dict[str, Any]] = []
+        self._latest = Timestamp(0)
+
+    def process(  # type: ignore[override]
+        self, row: dict[str, Any], timestamp: Any = beam.DoFn.TimestampParam
+    ) -> Iterator[Any]:
+        self._staged.append(row)
+        self._latest = max(self._latest, timestamp)
+        if len(self._staged) >= self.max_batch_rows:
+            yield from self._flush(lambda out: out)
+
+    def finish_bundle(self) -> Iterator[Any]:
+        # Outputs of finish_bundle need an explicit window: the global one, at the newest staged row's time.
+        def windowed(out: Any) -> Any:
+            if isinstance(out, pvalue.TaggedOutput):
+                return pvalue.TaggedOutput(out.tag, WindowedValue(out.value, self._latest, (GlobalWindow(),)))
+            return WindowedValue(out, self._latest, (GlobalWindow(),))
+
+        yield from self._flush(windowed)
+
+    def _flush(self, wrap: Any) -> Iterator[Any]:
+        batch, self._staged = self._staged, []
+        if batch:
+            for out in self._commit_or_split(batch, split=False):
+                yield wrap(out)
+
+
 class WriteToIceberg(beam.PTransform):
     """Appends dict rows to an Iceberg table exactly once per Kafka record, via a pyiceberg SQL catalog.
 
@@ -226,11 +268,14 @@ class WriteToIceberg(beam.PTransform):
     a shuffle by another key sits between the source and this sink: offsets of one partition then arrive out of
     order, and the marks alone would drop a lower offset that arrives after a higher one was committed.
 
-    Rows are staged per table, keyed by the table name, so there is one committer per
-    table whatever the parallelism. On unbounded input a batch is committed when ``max_batch_rows`` rows are
-    staged or ``commit_interval_s`` passes; on bounded input (a backfill, the demo) rows are grouped once and
-    committed at the end of the input in chunks of ``max_batch_rows`` (no processing-time timer, so no waiting
-    for the interval). New optional columns in the rows are added to the table before writing;
+    On unbounded input each worker commits the rows of a bundle before the bundle ends (and whenever
+    ``max_batch_rows`` are staged), so the Kafka source's offsets, committed when the runner finalizes the bundle
+    after a checkpoint, never run ahead of the table. The commit cadence is therefore the runner's bundle cadence:
+    on Flink set ``finish_bundle_before_checkpointing: true`` and ``max_bundle_time_ms`` to the checkpoint interval
+    (``conf/flink.yaml`` does; ``beamflow doctor`` checks it), for one commit per worker per checkpoint. Concurrent
+    commits of several workers retry against each other (optimistic concurrency). On bounded input (a backfill, the
+    demo) rows are grouped once per table and committed at the end of the input in chunks of ``max_batch_rows``.
+    New optional columns in the rows are added to the table before writing;
     removals, renames, new required columns and type changes are refused: the batch is split (in offset order)
     until the offending rows stand alone, they go to ``dead_letter`` and the rest is committed. Each element of
     ``commits`` counts rows written, rows skipped as at/below the marks (replays) and duplicates. Every
@@ -244,7 +289,6 @@ class WriteToIceberg(beam.PTransform):
             "analytics.impressions",
             CatalogConfig(warehouse="/data/warehouse", uri="postgresql+psycopg2://user:pw@db/iceberg"),
             sink_id="impressions-v1",
-            commit_interval_s=60,
             partition_by=[("event_time", "day")],
         )
 
@@ -257,7 +301,6 @@ class WriteToIceberg(beam.PTransform):
         table: str,
         catalog_config: CatalogConfig,
         sink_id: str,
-        commit_interval_s: float = 60,
         key_column: str | None = None,
         partition_by: Sequence[tuple[str, str]] = (),
         coordinates: CoordinateFields = DEFAULT_COORDINATES,
@@ -272,7 +315,6 @@ class WriteToIceberg(beam.PTransform):
         self.table = table if "." in table else f"default.{table}"
         self.catalog_config = catalog_config
         self.sink_id = sink_id
-        self.commit_interval_s = commit_interval_s
         self.key_column = key_column
         self.partition_by = list(partition_by)
         self.coordinates = coordinates
@@ -284,31 +326,33 @@ class WriteToIceberg(beam.PTransform):
         checked = rows | "CheckRows" >> beam.ParDo(_CheckRow(self.coordinates, self.key_column)).with_outputs(
             _DEAD, main="rows"
         )
-        keyed = checked.rows | "KeyByTable" >> beam.Map(lambda row, table: (table, row), self.table).with_output_types(
-            beam.typehints.KV[str, beam.typehints.Dict[str, beam.typehints.Any]]
+        commit_args = (
+            self.catalog_config,
+            self.table,
+            self.sink_id,
+            self.key_column,
+            self.partition_by,
+            self.coordinates,
+            self.expire_keep_last,
+            self.expire_every,
+            self.max_batch_rows,
+            self.key_time_column,
         )
         if rows.is_bounded:
-            # Bounded input: the end of the input is the only flush that matters, and a grouping needs neither
-            # per-row state nor timers. A processing-time interval here would only add wall-clock waits (the
-            # local runner sleeps until such timers are due) and more, smaller commits.
-            staged = keyed | "StagePerTable" >> beam.GroupByKey()
+            # Bounded input: the end of the input is the only flush that matters; one grouping per table gives
+            # one committer per table and big data files.
+            committed = (
+                checked.rows
+                | "KeyByTable"
+                >> beam.Map(lambda row, table: (table, row), self.table).with_output_types(
+                    beam.typehints.KV[str, beam.typehints.Dict[str, beam.typehints.Any]]
+                )
+                | "StagePerTable" >> beam.GroupByKey()
+                | "Commit" >> beam.ParDo(_CommitBatches(*commit_args)).with_outputs(_DEAD, main="commits")
+            )
         else:
-            staged = keyed | "StagePerTable" >> beam.GroupIntoBatches(
-                self.max_batch_rows, max_buffering_duration_secs=self.commit_interval_s
+            committed = checked.rows | "CommitPerBundle" >> beam.ParDo(_CommitPerBundle(*commit_args)).with_outputs(
+                _DEAD, main="commits"
             )
-        committed = staged | "Commit" >> beam.ParDo(
-            _CommitBatches(
-                self.catalog_config,
-                self.table,
-                self.sink_id,
-                self.key_column,
-                self.partition_by,
-                self.coordinates,
-                self.expire_keep_last,
-                self.expire_every,
-                self.max_batch_rows,
-                self.key_time_column,
-            )
-        ).with_outputs(_DEAD, main="commits")
         dead = (checked[_DEAD], committed[_DEAD]) | "AllDeadLetters" >> beam.Flatten()
         return IcebergWriteResult(commits=committed.commits, dead_letter=dead)

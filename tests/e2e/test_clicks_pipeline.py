@@ -27,7 +27,6 @@ def test_every_record_is_accounted_for_exactly_once(
         f"postgres.sessions_table=sessions_{run}",
         f"postgres.dead_letters_table=dead_{run}",
         f"postgres.quarantine_table=quarantine_{run}",
-        "iceberg.commit_interval_s=2",
     )
     spec = TrafficSpec(events=3000, users=300, duplicate_share=0.05, bad_per_kind=4, seed=11)
     summary = run_demo(CONF, overrides, spec, services=service_set, progress=lambda _: None)

@@ -77,7 +77,6 @@ def drill_config(
         catalog={"uri": f"sqlite:///{data_dir / 'iceberg' / 'catalog.db'}", "warehouse": f"file://{warehouse}"},
         table=f"drills.impressions_{run}",
         sink_id=f"drill-{run}".replace("_", "-"),
-        commit_interval_s=2,
     )
     # Sessions close 20 s of event time after a user's last click, so they are written while the drill runs.
     config["sessions"].update(detect_hot_keys=False, gap_s=20)
@@ -88,6 +87,7 @@ def drill_config(
         files_to_stage=staged_jars(Path(flink.info["job_server_classpath"])),
         parallelism=1,
         checkpointing_interval_ms=3000,
+        max_bundle_time_ms=3000,
         min_pause_between_checkpoints_ms=1000,
         checkpoint_timeout_ms=60000,
         retained_checkpoints=True,

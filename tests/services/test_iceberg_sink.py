@@ -296,7 +296,6 @@ def test_beam_transform_replayed_twice_writes_each_row_once(sqlite_config: Catal
                     TABLE,
                     sqlite_config,
                     sink_id="beam-sink",
-                    commit_interval_s=1,
                     max_batch_rows=64,
                     partition_by=[("event_time", "day")],
                 )

@@ -169,7 +169,7 @@ def test_stream_switching_to_v2_evolves_both_sinks_and_loses_nothing(
             )
             | DecodeAvro(url, reader_schema=V2)
         )
-        ice = decoded.decoded | WriteToIceberg(ice_table, catalog, sink_id=f"rollout-{run}", commit_interval_s=1)
+        ice = decoded.decoded | WriteToIceberg(ice_table, catalog, sink_id=f"rollout-{run}")
         pg_dead = (
             decoded.decoded
             | "ToRawRows" >> beam.Map(raw_row)
@@ -379,7 +379,7 @@ def _read_dlq_topic(bootstrap: str, topic: str) -> list[DeadLetter]:
         while len(out) < sum(ends.values()):
             for message in consumer.consume(500, 1.0):
                 assert message.error() is None, message.error()
-                dead = DeadLetter.from_dict(json.loads(message.value()))
+                dead = DeadLetter.from_dict(json.loads(message.value() or b""))
                 assert message.key() == dead.key  # the original record's key
                 out.append(dead)
         return out

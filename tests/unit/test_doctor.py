@@ -43,8 +43,14 @@ def test_seed_002_timeout_raised_to_30_minutes_and_full_snapshots() -> None:
     )
     codes = _codes(config)
     assert {"checkpoint-timeout-far-above-interval", "no-min-pause", "non-incremental-state"} <= codes
-    # With the 5-minute checkpoint interval, the shipped 60 s Iceberg commit interval is now too short.
+    # With the 5-minute checkpoint interval, the shipped 10 s bundles commit Iceberg far more often than that.
     assert "sink-commit-shorter-than-checkpoint" in codes
+
+
+def test_bundles_left_open_across_checkpoints_let_offsets_run_ahead_of_the_sinks() -> None:
+    assert "offsets-ahead-of-sinks" not in _codes(load_config(CONF))
+    findings = {f.code: f for f in check_config(load_config(CONF, ["flink.finish_bundle_before_checkpointing=false"]))}
+    assert findings["offsets-ahead-of-sinks"].severity == "error"
 
 
 def test_source_and_sink_traps() -> None:

@@ -42,9 +42,7 @@ def test_bounded_input_commits_every_row_once_in_offset_ordered_chunks(tmp_path:
     rows = shuffled_events(23, partitions=3)
     with beam.Pipeline(options=local_options()) as p:
         result = (
-            p
-            | beam.Create(rows)
-            | WriteToIceberg("sink.bounded", config, sink_id="bounded-test", commit_interval_s=3600, max_batch_rows=5)
+            p | beam.Create(rows) | WriteToIceberg("sink.bounded", config, sink_id="bounded-test", max_batch_rows=5)
         )
         # 23 rows in chunks of 5: five commits, and no wait for the hour-long interval on bounded input.
         assert_that(result.commits | beam.Map(lambda c: c["rows_written"]), equal_to([5, 5, 5, 5, 3]))
