@@ -103,6 +103,18 @@ def check_config(config: Mapping[str, Any], partitions: int | None = None) -> li
                 "set flink.min_pause_between_checkpoints_ms (e.g. half the interval)",
             )
         )
+    if interval and min_pause and int(min_pause) < 1000:
+        findings.append(
+            Finding(
+                "min-pause-below-commit-round",
+                "warning",
+                f"minimum pause between checkpoints {int(min_pause)} ms is below ReadFromKafka's 1 s finalization "
+                "round gap",
+                "the read commits offsets one checkpoint late and tells checkpoints apart by a pause of over 1 s "
+                "between finalizations; with shorter pauses rounds merge and commits lag further behind",
+                "set flink.min_pause_between_checkpoints_ms to at least 1000 (e.g. half the interval)",
+            )
+        )
     backend = str(flink.get("state_backend", "hashmap")).lower()
     if backend == "rocksdb" and flink.get("incremental") is False:
         findings.append(

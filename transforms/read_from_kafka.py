@@ -3,10 +3,13 @@
 Guarantee: **at-least-once delivery into the pipeline, exactly-once in effect with the runner's checkpoints**. Each
 topic-partition is one restriction whose start offset is resolved once, when the restriction is created (the group's
 committed offset, else the ``start`` policy); from then on the restriction in the runner's checkpoint is the truth for
-where to resume, not Kafka's group offset. Offsets are committed to the group only from the bundle finalizer (after the
-runner has the bundle's output; on Flink, after the next completed checkpoint), only forward, never by auto-commit: a
-failure before finalization leaves them where they were, and a rerun resumes from them. Pair it with the idempotent or
-exactly-once sinks so replays after a failure leave no duplicates.
+where to resume, not Kafka's group offset. Offsets are committed to the group only from the bundle finalizer, only
+forward, never by auto-commit: a failure before finalization leaves them where they were, and a rerun resumes from
+them. A streaming read commits one finalization round late: on Flink a round is a completed checkpoint, and Beam's
+Flink runner also finalizes bundles that ran after that checkpoint's barrier, whose records the sinks may not hold yet
+(``beamflow.kafka.commits.RoundDelayedCommits``). With sinks that commit per bundle (all of beamflow's) and
+``finish_bundle_before_checkpointing``, the group's offsets then never run ahead of what the sinks hold. Pair it
+with the idempotent or exactly-once sinks so replays after a failure leave no duplicates.
 
 Needs: a reachable broker; ``assign``/``seek`` only, so no consumer-group membership and no rebalances.
 
@@ -25,6 +28,7 @@ Example::
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -41,7 +45,7 @@ from apache_beam.utils.timestamp import Duration, Timestamp
 from apache_beam.utils.windowed_value import create as windowed_value
 
 from beamflow.kafka.client import KafkaConsumerClient, open_consumer
-from beamflow.kafka.commits import ForwardOnlyCommitter
+from beamflow.kafka.commits import ForwardOnlyCommitter, RoundDelayedCommits
 from beamflow.kafka.guard import exclusive_reader
 from beamflow.kafka.record import KafkaRecord, TopicPartition
 from beamflow.kafka.watermark import PartitionWatermark
@@ -103,6 +107,7 @@ class _ReaderConfig:
     max_bundle_records: int
     max_bundle_seconds: float
     commit_offsets: bool
+    finalize_round_gap_s: float = 1.0
 
     def consumer(self) -> KafkaConsumerClient:
         return open_consumer(self.backend, self.bootstrap, self.group_id, dict(self.consumer_config))
@@ -110,6 +115,21 @@ class _ReaderConfig:
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
+
+
+# One round tracker per consumer group and worker process: the finalizer callbacks of a group's partitions may run on
+# any DoFn instance of the worker (each bundle processor has its own), and rounds are a property of the runner.
+_ROUNDS: dict[tuple[str, str], RoundDelayedCommits] = {}
+_ROUNDS_LOCK = threading.Lock()
+
+
+def _round_delayed(config: _ReaderConfig, commit: Callable[[TopicPartition, int], object]) -> RoundDelayedCommits:
+    with _ROUNDS_LOCK:
+        key = (config.bootstrap, config.group_id)
+        rounds = _ROUNDS.get(key)
+        if rounds is None:
+            rounds = _ROUNDS[key] = RoundDelayedCommits(commit, config.finalize_round_gap_s)
+        return rounds
 
 
 class _PartitionTracker(OffsetRestrictionTracker):
@@ -228,10 +248,14 @@ class _ReadPartitionFn(beam.DoFn, _PartitionRestrictions, _PartitionWatermarks):
         return consumer
 
     def _commit(self, tp: TopicPartition, next_offset: int) -> None:
+        """The bundle finalizer: a bounded read's runner finalizes each bundle after its output is durable."""
         if self._committer is None:
             self._committer = ForwardOnlyCommitter(self._config.consumer())
         if self._committer.commit(tp, next_offset):
             Metrics.gauge("beamflow.kafka", f"committed_offset.{tp}").set(next_offset)
+
+    def _finalized(self, tp: TopicPartition, next_offset: int) -> None:
+        self._commit(tp, next_offset)
 
     def _report(
         self,
@@ -361,11 +385,16 @@ class _ReadPartitionFn(beam.DoFn, _PartitionRestrictions, _PartitionWatermarks):
             finally:
                 if config.commit_offsets and last_claimed is not None:
                     next_offset = last_claimed + 1
-                    bundle_finalizer.register(lambda: self._commit(tp, next_offset))
+                    bundle_finalizer.register(lambda: self._finalized(tp, next_offset))
                 self._report(tp, consumer, restriction, last_claimed, emitted, watermark)
 
 
 class _UnboundedReadPartitionFn(_ReadPartitionFn):
+    """A streaming read: commits one finalization round late (see ``RoundDelayedCommits`` for why)."""
+
+    def _finalized(self, tp: TopicPartition, next_offset: int) -> None:
+        _round_delayed(self._config, self._commit).finalized(tp, next_offset)
+
     @beam.DoFn.unbounded_per_element()
     def process(
         self,
@@ -472,7 +501,10 @@ class ReadFromKafka(beam.PTransform):
         max_delay_ms: allowed out-of-orderness; the partition watermark trails the newest timestamp by this much.
         idle_timeout_ms: wall time with nothing to read after which a partition's watermark advances to now minus
             ``max_delay_ms`` (None disables idleness; then one silent partition holds every window back).
-        commit_offsets: commit to the group from the bundle finalizer (on by default; never auto-commit).
+        commit_offsets: commit to the group from the bundle finalizer (on by default; never auto-commit); a
+            streaming read commits one finalization round late.
+        finalize_round_gap_s: a pause between finalizer calls longer than this starts a new round (streaming);
+            keep it below the minimum pause between checkpoints.
     """
 
     def __init__(
@@ -492,6 +524,7 @@ class ReadFromKafka(beam.PTransform):
         max_bundle_records: int = 20_000,
         max_bundle_seconds: float = 1.0,
         partition_poll_interval_s: float = 5.0,
+        finalize_round_gap_s: float = 1.0,
     ) -> None:
         super().__init__()
         if not topics:
@@ -512,6 +545,7 @@ class ReadFromKafka(beam.PTransform):
             max_bundle_records=max_bundle_records,
             max_bundle_seconds=max_bundle_seconds,
             commit_offsets=commit_offsets,
+            finalize_round_gap_s=finalize_round_gap_s,
         )
         self._event_time_fn = event_time_fn
         self._partition_poll_interval_s = partition_poll_interval_s

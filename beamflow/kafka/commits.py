@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Callable
 
 from beamflow.kafka.client import KafkaConsumerClient
 from beamflow.kafka.record import TopicPartition
 
-__all__ = ["ForwardOnlyCommitter"]
+__all__ = ["ForwardOnlyCommitter", "RoundDelayedCommits"]
 
 _LOG = logging.getLogger(__name__)
 
@@ -35,3 +37,51 @@ class ForwardOnlyCommitter:
             self._client.commit({tp: next_offset})
             _LOG.debug("committed %s at %d (was %s)", tp, next_offset, current)
             return True
+
+
+class RoundDelayedCommits:
+    """Commits each partition's finalized offsets one finalization round late.
+
+    Why: Beam's portable Flink runner finalizes *every* bundle finished so far when a checkpoint completes
+    (``ExecutableStageDoFnOperator.notifyCheckpointComplete`` -> ``finalizeAllOutstandingBundles``), including bundles
+    that ran after that checkpoint's barrier. Their records may still be on their way to the sinks, so committing
+    their offsets then would put the group ahead of what the sinks hold. The bundles finalized in one round all
+    finished before the runner processed that completion notice, which comes before the next checkpoint's barrier;
+    when the next round arrives, that next checkpoint has completed, so every sink that commits per bundle holds
+    those records. Committing round k's offsets when round k+1 begins is therefore safe.
+
+    A round is a burst of finalizer calls for one partition; a pause longer than ``round_gap_s`` starts the next one.
+    Merging two rounds only delays a commit; splitting one would commit early, so keep the gap well below the
+    minimum time between checkpoints (``beamflow doctor`` checks the pause) and above any stall inside a burst.
+    The newest round is never committed: a restore resumes from the runner's checkpoint, not from the group.
+    """
+
+    def __init__(
+        self,
+        commit: Callable[[TopicPartition, int], object],
+        round_gap_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._commit = commit
+        self._gap = round_gap_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._current: dict[TopicPartition, int] = {}
+        self._last_call: dict[TopicPartition, float] = {}
+
+    def finalized(self, tp: TopicPartition, next_offset: int) -> int | None:
+        """Records a finalized bundle's next offset; returns the offset committed now (the previous round's)."""
+        with self._lock:
+            now = self._clock()
+            last = self._last_call.get(tp)
+            due: int | None = None
+            if last is None or now - last > self._gap:
+                due = self._current.get(tp)
+                self._current[tp] = next_offset
+            else:
+                self._current[tp] = max(self._current[tp], next_offset)
+            if due is not None:
+                self._commit(tp, due)
+            # Measured after the commit: a slow commit must not look like a pause between rounds.
+            self._last_call[tp] = self._clock()
+            return due

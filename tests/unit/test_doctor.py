@@ -51,6 +51,7 @@ def test_bundles_left_open_across_checkpoints_let_offsets_run_ahead_of_the_sinks
     assert "offsets-ahead-of-sinks" not in _codes(load_config(CONF))
     findings = {f.code: f for f in check_config(load_config(CONF, ["flink.finish_bundle_before_checkpointing=false"]))}
     assert findings["offsets-ahead-of-sinks"].severity == "error"
+    assert "min-pause-below-commit-round" in _codes(load_config(CONF, ["flink.min_pause_between_checkpoints_ms=500"]))
 
 
 def test_source_and_sink_traps() -> None:

@@ -7,6 +7,7 @@ import threading
 import pytest
 
 from beamflow.kafka.guard import DuplicateReaderError, exclusive_reader
+from beamflow.kafka.record import TopicPartition
 from beamflow.kafka.watermark import MIN_WATERMARK_MS, PartitionWatermark
 
 pytestmark = pytest.mark.unit
@@ -66,3 +67,27 @@ def test_idle_partition_advances_to_now_minus_delay_even_without_any_record() ->
     # State round-trips through the runner's checkpoint as a tuple.
     restored = PartitionWatermark(5_000, 60_000, *wm.as_state())
     assert restored == wm
+
+
+def test_streaming_commits_wait_one_finalization_round() -> None:
+    """Round k's offsets are committed only when round k+1 begins (a later checkpoint completed)."""
+    from beamflow.kafka.commits import RoundDelayedCommits
+
+    now = [0.0]
+    committed: list[tuple[int, int]] = []
+    rounds = RoundDelayedCommits(lambda tp, off: committed.append((tp.partition, off)), 1.0, clock=lambda: now[0])
+    p0, p1 = TopicPartition("t", 0), TopicPartition("t", 1)
+    # Round 1 (checkpoint 1 completed): three bundles of partition 0, one of partition 1, a few ms apart.
+    for off in (10, 20, 30):
+        assert rounds.finalized(p0, off) is None
+        now[0] += 0.01
+    rounds.finalized(p1, 5)
+    assert committed == []  # bundles finished after checkpoint 1's barrier may be among them: nothing yet
+    now[0] += 3.0  # round 2: checkpoint 2 completed, so everything finalized in round 1 is in the sinks
+    assert rounds.finalized(p0, 45) == 30
+    assert rounds.finalized(p1, 9) == 5
+    now[0] += 0.2
+    assert rounds.finalized(p0, 50) is None  # same round
+    now[0] += 3.0
+    assert rounds.finalized(p0, 60) == 50
+    assert committed == [(0, 30), (1, 5), (0, 50)]
