@@ -6,11 +6,11 @@
     python -m pipelines.clicks --runner=FlinkRunner  # the same job on the Flink session cluster
     python -m pipelines.clicks --conf conf/clicks.yaml --set kafka.bounded=false
 
-Stages: ReadFromKafka (offsets committed on finalize) -> DecodeAvro through the registry (dead letters aside) ->
-AttachEventId from the event's identifying fields -> DeduplicateEvents (duplicates to a quarantine table) -> two
-branches: raw impressions into the exactly-once Iceberg sink, and 10-minute session windows per user_id with hot-key
-aggregation into the versioned PostgreSQL upsert sink (late panes replace earlier results). Every rejected input of
-every stage ends in the dead-letter table with its reason.
+Stages: ReadFromKafka (offsets committed on finalize when streaming; after the sinks when bounded) -> DecodeAvro
+through the registry (dead letters aside) -> AttachEventId from the event's identifying fields -> DeduplicateEvents
+(duplicates to a quarantine table) -> two branches: raw impressions into the exactly-once Iceberg sink, and 10-minute
+session windows per user_id with hot-key aggregation into the versioned PostgreSQL upsert sink (late panes replace
+earlier results). Every rejected input of every stage ends in the dead-letter table with its reason.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from beamflow.generate import EVENT_ID_FIELDS, load_click_schema
 from beamflow.iceberg.catalog import CatalogConfig
 from beamflow.postgres.table import TableSpec
 from transforms.attach_event_id import AttachEventId
+from transforms.commit_offsets_after import CommitOffsetsAfter
 from transforms.decode_avro import DecodeAvro
 from transforms.deduplicate import DeduplicateEvents, QuarantinedEvent
 from transforms.hot_key_aggregate import HotKeyAggregate, HotKeyDetection, WindowedAggregate
@@ -194,15 +195,18 @@ def build_pipeline(p: beam.Pipeline, config: dict[str, Any]) -> ClicksJob:
     kafka, pg, ice = config["kafka"], config["postgres"], config["iceberg"]
     sessions_conf, dedup_conf = config["sessions"], config["dedup"]
 
+    bounded = bool(kafka.get("bounded", False))
     records = p | "ReadClicks" >> ReadFromKafka(
         kafka["bootstrap"],
         [kafka["topic"]],
         group_id=kafka["group_id"],
         backend=kafka.get("backend", "confluent"),
         start=StartPolicy(kafka.get("start", "earliest")),
-        stop=StopPolicy(at_end_offsets=bool(kafka.get("bounded", False))),
+        stop=StopPolicy(at_end_offsets=bounded),
         max_delay_ms=int(kafka.get("max_delay_ms", 0)),
         idle_timeout_ms=kafka.get("idle_timeout_ms"),
+        # A bounded run commits after its sinks (CommitOffsetsAfter below); a streaming one on finalization.
+        commit_offsets=not bounded,
     )
     decoded = records | "DecodeAvro" >> DecodeAvro(config["registry"]["url"], reader_schema=load_click_schema(2))
     events = (
@@ -252,7 +256,9 @@ def build_pipeline(p: beam.Pipeline, config: dict[str, Any]) -> ClicksJob:
         | "ToSessionRows" >> beam.Map(session_row)
         | "WriteSessions" >> WriteToPostgres(pg["dsn"], sessions_spec(pg["sessions_table"]), create=True)
     )
-    sessions | "DeleteSupersededSessions" >> beam.ParDo(_DeleteSupersededSessions(pg["dsn"], pg["sessions_table"]))
+    superseded = sessions | "DeleteSupersededSessions" >> beam.ParDo(
+        _DeleteSupersededSessions(pg["dsn"], pg["sessions_table"])
+    )
     quarantine = dedup.quarantine | "ToQuarantineRows" >> beam.Map(quarantine_row)
     quarantine_dead = quarantine | "WriteQuarantine" >> WriteToPostgres(
         pg["dsn"], quarantine_spec(pg["quarantine_table"]), create=True
@@ -270,7 +276,15 @@ def build_pipeline(p: beam.Pipeline, config: dict[str, Any]) -> ClicksJob:
         )
     else:
         dlq = WriteDeadLetters("postgres", dsn=pg["dsn"], table=pg["dead_letters_table"])
-    dead_letters | "WriteDeadLetters" >> dlq
+    dead_letters_written = dead_letters | "WriteDeadLetters" >> dlq
+    if bounded:
+        # Every sink's last step: the quarantine and session writes end in dead letters, which end in the DLQ.
+        records | "CommitOffsetsAfterSinks" >> CommitOffsetsAfter(
+            kafka["bootstrap"],
+            kafka["group_id"],
+            after=[iceberg.commits, superseded, dead_letters_written],
+            backend=kafka.get("backend", "confluent"),
+        )
     return ClicksJob(records, dedup.unique, dead_letters, dedup.quarantine, sessions)
 
 

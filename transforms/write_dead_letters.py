@@ -8,7 +8,6 @@ from typing import Any
 
 import apache_beam as beam
 from apache_beam.metrics import Metrics
-from apache_beam.pvalue import PDone
 
 from beamflow.deadletter import DeadLetter
 from beamflow.postgres.table import TableSpec
@@ -203,7 +202,9 @@ class WriteDeadLetters(beam.PTransform):
         self.producer_config = dict(producer_config or {})
         self.flush_timeout_s = flush_timeout_s
 
-    def expand(self, dead_letters: beam.PCollection) -> PDone:
+    def expand(self, dead_letters: beam.PCollection) -> beam.PCollection:
+        """Returns an empty PCollection that is complete once every dead letter is written (for
+        ``CommitOffsetsAfter``)."""
         counted = dead_letters | "Count" >> beam.ParDo(_Count())
         if self.sink == "postgres":
             assert self.dsn is not None and self.spec is not None
@@ -212,10 +213,10 @@ class WriteDeadLetters(beam.PTransform):
                 | "ToRows" >> beam.Map(dead_letter_row)
                 | "Upsert" >> WriteToPostgres(self.dsn, self.spec, create=True)
             )
-            lost | "FailOnLostDeadLetter" >> beam.Map(_refuse_lost)
+            written: beam.PCollection = lost | "FailOnLostDeadLetter" >> beam.Map(_refuse_lost)
         else:
             assert self.bootstrap is not None and self.topic is not None
-            counted | "Produce" >> beam.ParDo(
+            written = counted | "Produce" >> beam.ParDo(
                 _ProduceFn(self.bootstrap, self.topic, self.producer_config, self.flush_timeout_s)
             )
-        return PDone(dead_letters.pipeline)
+        return written

@@ -1,0 +1,95 @@
+"""``CommitOffsetsAfter``: a bounded Kafka read's offsets, committed only once the sinks have finished writing.
+
+Why: a runner finalizes a bundle once it holds the bundle's output, not once later stages have consumed it. The
+pinned local runner (FnApiRunner) runs stage after stage, so a bounded read's finalizers commit the group's offsets
+before the sinks' stages even start; a crash in a sink stage would then leave the group past records no sink holds,
+and a rerun would skip them. This transform commits after the sinks instead: each sink's output PCollection becomes
+a side input of the commit, and a runner computes a side input completely before the step that reads it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import apache_beam as beam
+from apache_beam.metrics import Metrics
+from apache_beam.transforms.window import GlobalWindows
+
+from beamflow.kafka.client import open_consumer
+from beamflow.kafka.commits import ForwardOnlyCommitter
+from beamflow.kafka.record import KafkaRecord, TopicPartition
+
+__all__ = ["CommitOffsetsAfter"]
+
+
+def _position(record: KafkaRecord) -> tuple[tuple[str, int], int]:
+    return (record.topic, record.partition), record.offset
+
+
+def _done(_: Any) -> int:
+    return 1
+
+
+class _CommitFn(beam.DoFn):
+    def __init__(self, bootstrap: str, group_id: str, backend: str) -> None:
+        self._bootstrap = bootstrap
+        self._group_id = group_id
+        self._backend = backend
+
+    def process(self, position: tuple[tuple[str, int], int], *sinks_done: Iterable[int]) -> None:
+        (topic, partition), last_offset = position
+        consumer = open_consumer(self._backend, self._bootstrap, self._group_id)
+        try:
+            if ForwardOnlyCommitter(consumer).commit(TopicPartition(topic, partition), last_offset + 1):
+                Metrics.gauge("beamflow.kafka", f"committed_offset.{topic}-{partition}").set(last_offset + 1)
+        finally:
+            consumer.close()
+
+
+class CommitOffsetsAfter(beam.PTransform):
+    """Commits the highest offset read per partition (+1) to the group, after every PCollection in ``after``.
+
+    Guarantee: the group's committed offsets never run ahead of what the sinks hold, on any runner, for bounded
+    reads: the commit step reads each of ``after`` as a side input, so it runs only when those are complete. Pass
+    the outputs of the last step of every sink (their dead-letter or commit outputs; an empty PCollection still
+    counts as complete). Commits only forward. Read with ``ReadFromKafka(..., commit_offsets=False)`` so the read's
+    own finalizers do not commit earlier.
+
+    Example::
+
+        records = p | ReadFromKafka(bootstrap, ["clicks"], "clicks-backfill", commit_offsets=False,
+                                    stop=StopPolicy(at_end_offsets=True))
+        written = records | ... | WriteToIceberg(...)
+        records | CommitOffsetsAfter(bootstrap, "clicks-backfill", after=[written.commits, written.dead_letter])
+
+    Needs: bounded input (on unbounded input a global side input never completes; use the read's own commits).
+    """
+
+    def __init__(self, bootstrap: str, group_id: str, after: Sequence[beam.PCollection], backend: str = "confluent"):
+        super().__init__()
+        if not after:
+            raise ValueError("CommitOffsetsAfter needs the sinks' outputs to wait for (after=[...])")
+        self._bootstrap = bootstrap
+        self._group_id = group_id
+        self._after = list(after)
+        self._backend = backend
+
+    def expand(self, records: beam.PCollection) -> beam.PCollection:
+        if not records.is_bounded:
+            raise ValueError("CommitOffsetsAfter needs a bounded read; a streaming read commits on finalization")
+        positions = (
+            records | "Positions" >> beam.Map(_position) | "HighestPerPartition" >> beam.CombinePerKey(max)  # type: ignore[arg-type]
+        )
+        # One count per sink output, in the global window whatever windows the sink's output had (session
+        # windows cannot be side inputs): only its completion matters.
+        done = [
+            beam.pvalue.AsList(
+                pc
+                | f"SinkOutput{i}" >> beam.Map(_done)
+                | f"SinkOutputGlobal{i}" >> beam.WindowInto(GlobalWindows())
+                | f"SinkFinished{i}" >> beam.combiners.Count.Globally()
+            )
+            for i, pc in enumerate(self._after)
+        ]
+        return positions | "Commit" >> beam.ParDo(_CommitFn(self._bootstrap, self._group_id, self._backend), *done)
