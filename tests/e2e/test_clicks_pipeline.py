@@ -9,6 +9,9 @@ import pytest
 
 from beamflow.demo import run_demo
 from beamflow.generate import TrafficSpec
+from beamflow.kafka.admin import end_offsets
+from beamflow.kafka.client import open_consumer
+from beamflow.kafka.record import TopicPartition
 from beamflow.services import ServiceSet, ServiceState
 
 pytestmark = pytest.mark.services
@@ -40,3 +43,11 @@ def test_every_record_is_accounted_for_exactly_once(
     assert summary.postgres_duplicate_ids == 0
     assert summary.balanced
     assert summary.session_rows > 0
+    # Committed after the sinks finished (CommitOffsetsAfter): exactly the end of what was produced.
+    topic = f"clicks-{run}"
+    ends = end_offsets(kafka.info["bootstrap"], topic)
+    client = open_consumer("confluent", kafka.info["bootstrap"], f"clicks-{run}")
+    try:
+        assert {p: client.committed(TopicPartition(topic, p)) for p in ends} == ends
+    finally:
+        client.close()
