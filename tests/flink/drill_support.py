@@ -153,7 +153,10 @@ class DrillJob:
     def wait_for_checkpoints(self, more: int = 1, timeout: float = 120) -> int:
         assert self.job_id
         done = self.rest.completed_checkpoints(self.job_id)
-        return self.rest.wait_for_checkpoints(self.job_id, done + more, timeout)
+        try:
+            return self.rest.wait_for_checkpoints(self.job_id, done + more, timeout)
+        except Exception as exc:
+            raise AssertionError(f"{exc}\n{self.diagnosis()}") from exc
 
     def cancel(self) -> None:
         if self.job_id:
@@ -172,6 +175,27 @@ class DrillJob:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(10)
+
+    def diagnosis(self) -> str:
+        """What a stuck job looks like from outside: its tasks, their record counts, exceptions, the submitter's log."""
+        lines = [f"job {self.job_name} ({self.job_id})"]
+        with contextlib.suppress(Exception):
+            assert self.job_id
+            job = self.rest.job(self.job_id)
+            lines.append(f"state {job.get('state')}")
+            for vertex in job.get("vertices", []):
+                metrics = vertex.get("metrics", {})
+                lines.append(
+                    f"  {vertex.get('status'):>10} {vertex.get('tasks')} read={metrics.get('read-records')} "
+                    f"written={metrics.get('write-records')} {vertex.get('name', '')[:100]}"
+                )
+            exceptions = self.rest.job_exceptions(self.job_id)
+            lines.append(f"exceptions {json.dumps(exceptions)[:1500]}")
+        with contextlib.suppress(Exception):
+            slots = [(t.get("id"), t.get("freeSlots"), t.get("slotsNumber")) for t in self.rest.taskmanagers()]
+            lines.append(f"taskmanagers (id, free slots, slots) {slots}")
+        lines.append(f"submitter log:\n{self.log_tail(4000)}")
+        return "\n".join(lines)
 
     def log_tail(self, chars: int = 3000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""

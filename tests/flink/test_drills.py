@@ -75,14 +75,15 @@ def _wait_sent(feeder: TrafficFeeder, share: float, timeout: float = 300) -> Non
         time.sleep(0.5)
 
 
-def _wait_sinks_grow(config: dict[str, Any], than: int, timeout: float = 240) -> dict[str, int]:
+def _wait_sinks_grow(config: dict[str, Any], than: int, job: DrillJob, timeout: float = 240) -> dict[str, int]:
     """Waits until Iceberg holds more than ``than`` events: the job really processes before it is disrupted."""
     deadline = time.monotonic() + timeout
     while True:
         counts = sink_counts(config)
         if counts["iceberg_distinct_ids"] > than:
             return counts
-        assert time.monotonic() < deadline, f"the job processed nothing new in {timeout}s: {counts}"
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the job processed nothing new in {timeout}s: {counts}\n{job.diagnosis()}")
         time.sleep(2)
 
 
@@ -153,7 +154,7 @@ def live_drill(
 
         # Drill 1: TaskManager SIGKILLed mid-stream; Flink restarts the job from its last checkpoint.
         _wait_sent(feeder, 0.3)
-        notes["before_tm_kill"] = _wait_sinks_grow(config, 0)
+        notes["before_tm_kill"] = _wait_sinks_grow(config, 0, main)
         started = time.monotonic()
         flink_service.kill_taskmanager()
         flink_service.restart_taskmanager()
@@ -239,7 +240,7 @@ def restore_drill(
         # Drill 4: JobManager SIGKILLed; without HA the restarted JobManager knows no job: resubmit from the newest
         # retained checkpoint (seed 003's failover path).
         _wait_sent(feeder, 0.3)
-        notes["before_jm_kill"] = _wait_sinks_grow(config, 0)
+        notes["before_jm_kill"] = _wait_sinks_grow(config, 0, first)
         started = time.monotonic()
         assert first.job_id
         flink_service.kill_jobmanager()
@@ -265,7 +266,7 @@ def restore_drill(
 
         # Drill 5: stop with a savepoint after the producer switched to schema v2; restore with a changed config.
         _wait_sent(feeder, 0.6)
-        notes["before_savepoint"] = _wait_sinks_grow(config, notes["before_jm_kill"]["iceberg_distinct_ids"])
+        notes["before_savepoint"] = _wait_sinks_grow(config, notes["before_jm_kill"]["iceberg_distinct_ids"], second)
         started = time.monotonic()
         try:
             savepoint = second.rest.stop_with_savepoint(second.job_id, timeout=180)
