@@ -45,7 +45,7 @@ workers run inside the submitting process. ``options_for_service`` fills both in
 
 Deployments: start an EXTERNAL worker pool beside each TaskManager, on the TaskManager's host::
 
-    python -m apache_beam.runners.worker.worker_pool_main --service_port=50000
+    python -m runners.worker_pool --port 50000     # Beam's worker pool, bound to 127.0.0.1 (see runners/worker_pool.py)
 
 and set ``environment: {type: EXTERNAL, config: "localhost:50000"}`` (the address is resolved on the TaskManager, so
 ``localhost`` means "the pool next to me"). The pool's Python environment must hold the pipeline's code and the exact

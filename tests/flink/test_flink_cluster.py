@@ -104,3 +104,59 @@ def test_cluster_survives_a_killed_taskmanager_and_down_leaves_no_jvm(tmp_path: 
         service.down()
     assert _processes_mentioning(str(service.home)) == []
     assert service.status()["running"] is False
+
+
+class WritePid(beam.DoFn):
+    """Writes the SDK worker's pid per element: shows which process really ran the code."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+
+    def process(self, element: int) -> Iterator[int]:
+        with open(os.path.join(self.out_dir, f"{element}.txt"), "w") as f:
+            f.write(str(os.getpid()))
+        yield element
+
+
+def test_external_worker_pool_runs_the_python_code_beside_the_taskmanager(flink: ServiceState, tmp_path: Path) -> None:
+    """The deployment layout: TaskManagers call a worker pool (``python -m runners.worker_pool``) on loopback."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parents[2]
+    pool = subprocess.Popen(
+        [sys.executable, "-m", "runners.worker_pool", "--port", str(port)],
+        cwd=root,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        assert pool.stdout is not None
+        assert f"listening on 127.0.0.1:{port}" in pool.stdout.readline().decode()
+        out_dir = tmp_path / "out"
+        out_dir.mkdir()
+        options = options_for_service(
+            flink,
+            {
+                "job_name": f"beamflow-external-{uuid.uuid4().hex[:8]}",
+                "parallelism": 1,
+                "checkpointing_interval_ms": 1000,
+                "shutdown_sources_after_idle_ms": 3000,
+                "environment": {"type": "EXTERNAL", "config": f"127.0.0.1:{port}"},
+            },
+        )
+        pipeline = beam.Pipeline(options=options)
+        _ = pipeline | beam.Create(list(range(10))) | beam.Reshuffle() | beam.ParDo(WritePid(str(out_dir)))
+        assert pipeline.run().wait_until_finish() == PipelineState.DONE
+        pids = {int(p.read_text()) for p in out_dir.iterdir()}
+        assert len(list(out_dir.iterdir())) == 10
+        # Neither this process (LOOPBACK would run it here) nor the pool itself: the pool's worker children.
+        assert os.getpid() not in pids and pool.pid not in pids
+    finally:
+        os.killpg(pool.pid, 15)
+        pool.wait(30)

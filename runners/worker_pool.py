@@ -1,0 +1,70 @@
+"""The Python worker pool for Flink's EXTERNAL environment: run one beside each TaskManager.
+
+::
+
+    python -m runners.worker_pool --port 50000                  # listens on 127.0.0.1:50000
+    python -m runners.worker_pool --port 50000 --host 0.0.0.0   # only if the TaskManager is on another host
+
+and configure the job with ``flink: {environment: {type: EXTERNAL, config: "localhost:50000"}}``. The TaskManager asks
+the pool for a worker per environment; the pool starts each as a child process (``sdk_worker_main``), so the job's
+code (``beamflow``, ``transforms``, ``pipelines``) must be importable where the pool runs: start it from the project
+folder or with beamflow installed.
+
+Why not ``apache_beam.runners.worker.worker_pool_main`` directly: it binds every interface (``[::]``) and cannot be
+told otherwise; a worker pool executes whatever code a caller sends it, so beamflow binds loopback unless told.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import Sequence
+
+import grpc
+from apache_beam.portability.api import beam_fn_api_pb2_grpc
+from apache_beam.runners.worker.worker_pool_main import BeamFnExternalWorkerPoolServicer
+from apache_beam.utils import thread_pool_executor
+
+__all__ = ["main", "start_worker_pool"]
+
+_LOG = logging.getLogger("runners.worker_pool")
+
+
+def start_worker_pool(host: str = "127.0.0.1", port: int = 0) -> tuple[str, grpc.Server]:
+    """Starts the pool's gRPC service; returns its ``host:port`` and the server (``server.stop(0)`` ends it)."""
+    server = grpc.server(
+        thread_pool_executor.shared_unbounded_instance(),
+        options=[("grpc.http2.max_pings_without_data", 0), ("grpc.http2.max_ping_strikes", 0)],
+    )
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"could not bind the worker pool to {host}:{port}")
+    # use_process: each SDK worker is its own process, as beside a production TaskManager.
+    beam_fn_api_pb2_grpc.add_BeamFnExternalWorkerPoolServicer_to_server(
+        BeamFnExternalWorkerPoolServicer(use_process=True), server
+    )
+    server.start()
+    return f"{host}:{bound}", server
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m runners.worker_pool", description=__doc__.split("\n")[0])
+    parser.add_argument("--port", type=int, default=50000, help="port to listen on (default: %(default)s)")
+    parser.add_argument("--host", default="127.0.0.1", help="interface to bind (default: %(default)s)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    address, server = start_worker_pool(args.host, args.port)
+    print(f"worker pool listening on {address}", flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with contextlib.suppress(KeyboardInterrupt):
+        stop.wait()
+    server.stop(5).wait()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
