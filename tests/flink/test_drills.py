@@ -153,13 +153,17 @@ def live_drill(
         main.wait_for_checkpoints(1, 180)
 
         # Drill 1: TaskManager SIGKILLed mid-stream; Flink restarts the job from its last checkpoint.
+        # The producer holds still until the job has shown it processes and is back from the failure, so the
+        # disruption always falls mid-stream, however slowly a loaded machine starts the job.
         _wait_sent(feeder, 0.3)
+        feeder.pause()
         notes["before_tm_kill"] = _wait_sinks_grow(config, 0, main)
         started = time.monotonic()
         flink_service.kill_taskmanager()
         flink_service.restart_taskmanager()
         _running_with_new_checkpoint(main)
         timings["taskmanager_recovery_s"] = round(time.monotonic() - started, 1)
+        feeder.resume()
 
         # beamflow status against the running job.
         main_id = main.job_id
@@ -240,6 +244,7 @@ def restore_drill(
         # Drill 4: JobManager SIGKILLed; without HA the restarted JobManager knows no job: resubmit from the newest
         # retained checkpoint (seed 003's failover path).
         _wait_sent(feeder, 0.3)
+        feeder.pause()  # see the live drill: the failure falls mid-stream
         notes["before_jm_kill"] = _wait_sinks_grow(config, 0, first)
         started = time.monotonic()
         assert first.job_id
@@ -261,11 +266,13 @@ def restore_drill(
         second.start()
         _running_with_new_checkpoint(second)
         timings["jobmanager_restore_s"] = round(time.monotonic() - started, 1)
+        feeder.resume()
         assert second.job_id
         notes["second_restored_from"] = second.rest.checkpoints(second.job_id).get("latest", {}).get("restored")
 
         # Drill 5: stop with a savepoint after the producer switched to schema v2; restore with a changed config.
         _wait_sent(feeder, 0.6)
+        feeder.pause()
         notes["before_savepoint"] = _wait_sinks_grow(config, notes["before_jm_kill"]["iceberg_distinct_ids"], second)
         started = time.monotonic()
         try:
@@ -284,6 +291,7 @@ def restore_drill(
         third.start()
         _running_with_new_checkpoint(third)
         timings["savepoint_restore_s"] = round(time.monotonic() - started, 1)
+        feeder.resume()
 
         result = _finish(config, traffic, feeder, sampler, [third], t0, timings)
         result.notes.update(notes)
@@ -291,6 +299,7 @@ def restore_drill(
         print(f"\nrestore drill timings {timings}\nnotes {result.notes}")
         yield result
     finally:
+        feeder.resume()
         for job in jobs:
             with contextlib.suppress(Exception):
                 job.cancel()
