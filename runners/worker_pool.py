@@ -19,7 +19,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import signal
+import sys
 import threading
 from collections.abc import Sequence
 
@@ -35,6 +37,7 @@ _LOG = logging.getLogger("runners.worker_pool")
 
 def start_worker_pool(host: str = "127.0.0.1", port: int = 0) -> tuple[str, grpc.Server]:
     """Starts the pool's gRPC service; returns its ``host:port`` and the server (``server.stop(0)`` ends it)."""
+    _this_python_first()
     server = grpc.server(
         thread_pool_executor.shared_unbounded_instance(),
         options=[("grpc.http2.max_pings_without_data", 0), ("grpc.http2.max_ping_strikes", 0)],
@@ -48,6 +51,13 @@ def start_worker_pool(host: str = "127.0.0.1", port: int = 0) -> tuple[str, grpc
     )
     server.start()
     return f"{host}:{bound}", server
+
+
+def _this_python_first() -> None:
+    """Beam's pool starts each worker as ``python -c ...`` found on PATH; make that this interpreter (its venv)."""
+    here = os.path.dirname(sys.executable)
+    if os.environ.get("PATH", "").split(os.pathsep)[0] != here:
+        os.environ["PATH"] = here + os.pathsep + os.environ.get("PATH", "")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
