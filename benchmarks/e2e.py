@@ -11,8 +11,10 @@ consumer group, PostgreSQL tables and Iceberg table:
   gap) per user computed in memory; sessions, duplicates and dead letters COPYed into PostgreSQL; offsets committed at
   the end. No exactly-once bookkeeping, no late panes, no replay safety: the floor of the work, not a product.
 - ``beamflow``: ``pipelines.clicks`` on the pinned local runner (FnApiRunner), exactly as ``beamflow demo`` runs it.
-- ``beamflow-nocache``: the same with the SDK worker's state cache disabled (see docs/benchmarks.md: sizing each
-  cached state value with objsize walks every loaded module's globals; that cost dominates the stateful stages).
+- ``beamflow-head``: the same job with the committed (``git show HEAD:...``) versions of ``HEAD_FILES`` loaded in
+  place of the working tree's, so a change to those transforms is measured before/after in one run.
+- ``beamflow-nocache`` (not run by default): the SDK worker's state cache disabled; ``runners/direct.py`` now does
+  that itself, so it measures the same code as ``beamflow`` (see docs/benchmarks.md).
 
 While the beamflow variants run, a thread samples the group's committed offsets against the end offsets (consumer
 lag over time). Printed: wall seconds, records/s, CPU seconds (user+sys of the subprocess), peak RSS, the ratios to the
@@ -35,7 +37,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-VARIANTS = ("baseline", "beamflow", "beamflow-nocache")
+VARIANTS = ("baseline", "beamflow-head", "beamflow")
+# What the ``beamflow-head`` variant takes from git HEAD instead of the working tree.
+HEAD_FILES = ("transforms/deduplicate.py", "transforms/hot_key_aggregate.py")
 GOAL = 0.5
 # The baseline appends to Iceberg at most this often (the issue: "one Iceberg append per interval").
 BASELINE_APPEND_INTERVAL_S = 5.0
@@ -106,10 +110,22 @@ def run_beamflow(config: dict[str, Any], no_state_cache: bool) -> dict[str, Any]
     return {
         "seconds": seconds,
         "records": sum(r.committed or 0 for r in metrics),
+        # Which job module ran (it may change between the variants of one run while others edit it).
+        "code": _code_digest([clicks.__file__]),
         "stages": dict(stages.seconds),
         "bundles": dict(stages.bundles),
         **_usage(),
     }
+
+
+def _code_digest(paths: list[str | None]) -> str:
+    import hashlib
+
+    digest = hashlib.sha1(usedforsecurity=False)
+    for path in paths:
+        if path:
+            digest.update(Path(path).read_bytes())
+    return digest.hexdigest()[:10]
 
 
 def _session_rows(events_by_user: dict[str, list[tuple[int, str]]], gap_ms: int) -> list[tuple[Any, ...]]:
@@ -276,11 +292,33 @@ def run_baseline(config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def use_committed(paths: tuple[str, ...] = HEAD_FILES) -> None:
+    """Imports the git HEAD version of each module file in place of the working tree's (before anything imports it)."""
+    import importlib
+    import types
+
+    repo = Path(__file__).resolve().parents[1]
+    for path in paths:
+        source = subprocess.run(
+            ["git", "show", f"HEAD:{path}"], cwd=repo, capture_output=True, text=True, check=True
+        ).stdout
+        name = path.removesuffix(".py").replace("/", ".")
+        module = types.ModuleType(name)
+        module.__file__ = str(repo / path)
+        sys.modules[name] = module  # before exec: dataclasses and pickling look the module up by name
+        exec(compile(source, f"HEAD:{path}", "exec"), module.__dict__)  # measurement only
+        package, _, leaf = name.rpartition(".")
+        if package:
+            setattr(importlib.import_module(package), leaf, module)
+
+
 def _child(variant: str, config_path: str) -> None:
     import logging
 
     logging.basicConfig(level=logging.WARNING, force=True)
     config = json.loads(Path(config_path).read_text())
+    if variant == "beamflow-head":
+        use_committed()
     if variant == "baseline":
         out = run_baseline(config)
     else:
@@ -361,6 +399,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--events", type=int, default=5000)
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="run the variants this many times, interleaved; keep each one's fastest"
+    )
     parser.add_argument("--json", help="write all figures (and lag samples) here")
     parser.add_argument("--plot", help="write the PNG plot here (needs --kafka-json for the read panel, optional)")
     parser.add_argument("--kafka-json", help="benchmarks.kafka_read --json output to include in the plot")
@@ -407,13 +448,23 @@ def _measure(args: argparse.Namespace, services: Any, workdir: Path) -> int:
     )
 
     results: dict[str, dict[str, Any]] = {}
-    for variant in args.variants.split(","):
-        config = _variant_config(base, variant, run_id)
-        results[variant] = run_variant(variant, config, workdir, sample_lag=variant != "baseline")
-        r = results[variant]
-        if r["records"] != total:
-            print(f"WARNING: {variant} read {r['records']} of {total} records")
-        print(f"  {variant} done: {r['seconds']:.1f}s")
+    runs: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for attempt in range(max(1, args.repeat)):
+        for variant in args.variants.split(","):
+            config = _variant_config(base, variant, f"{run_id}{attempt}")
+            r = run_variant(variant, config, workdir, sample_lag=variant != "baseline")
+            r["load"] = os.getloadavg()[0]
+            if r["records"] != total:
+                print(f"WARNING: {variant} read {r['records']} of {total} records")
+            print(
+                f"  {variant} done: {r['seconds']:.1f}s, CPU {r['cpu_s']:.1f}s, load {r['load']:.1f}"
+                + (f", code {r['code']}" if "code" in r else "")
+            )
+            runs[variant].append({k: r[k] for k in ("seconds", "cpu_s", "load", "code") if k in r})
+            if variant not in results or r["seconds"] < results[variant]["seconds"]:
+                results[variant] = r
+    for variant, r in results.items():
+        r["runs"] = runs[variant]
 
     base_r = results.get("baseline")
     print(

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import apache_beam as beam
 from apache_beam.coders import PickleCoder
 from apache_beam.metrics import Metrics
+from apache_beam.options.pipeline_options import StandardOptions
 from apache_beam.transforms.timeutil import TimeDomain
+from apache_beam.transforms.trigger import DefaultTrigger
 from apache_beam.transforms.userstate import ReadModifyWriteStateSpec, TimerSpec, on_timer
+from apache_beam.transforms.window import TimestampedValue
 from apache_beam.utils.timestamp import Duration, Timestamp
 
 __all__ = ["METRICS_NAMESPACE", "DeduplicateEvents", "DeduplicateResult", "QuarantinedEvent"]
@@ -45,9 +48,10 @@ class DeduplicateResult(NamedTuple):
 class _KeyById(beam.DoFn):
     """(id, event) for events with an id; events without one go to quarantine instead of being dropped."""
 
-    def __init__(self, id_of: Callable[[Any], Hashable | None], what: str) -> None:
+    def __init__(self, id_of: Callable[[Any], Hashable | None], what: str, with_time: bool = False) -> None:
         self._id_of = id_of
         self._what = what
+        self._with_time = with_time
         self._missing = Metrics.counter(METRICS_NAMESPACE, "missing_id")
 
     def process(self, event: Any, timestamp: Any = beam.DoFn.TimestampParam) -> Any:
@@ -64,7 +68,8 @@ class _KeyById(beam.DoFn):
                 QuarantinedEvent(event, None, f"missing event id ({self._what}; {error})", timestamp),
             )
             return
-        yield event_id, event
+        # The grouped (bounded) path carries each copy's event time through the GroupByKey, which re-stamps values.
+        yield (event_id, (timestamp, event)) if self._with_time else (event_id, event)
 
 
 class _FirstCopyPerId(beam.DoFn):
@@ -115,6 +120,75 @@ class _FirstCopyPerId(beam.DoFn):
         first_seen.clear()
 
 
+class _FirstCopyPerGroup(beam.DoFn):
+    """Bounded input: all copies of one id arrive together (GroupByKey); no state, no timers.
+
+    The copies are taken in event-time order (ties in the order the runner delivers them) and the id's TTL is
+    applied as the stateful path applies it when the watermark follows event time: a copy within ``ttl`` of the
+    kept copy is quarantined; a copy at or past ``kept + ttl`` arrives after the id's state would have expired, so it
+    is kept and starts a new TTL. Every copy leaves with its own event time (the grouping's output timestamp, the
+    end of the window, is not used), in the window it came in.
+    """
+
+    def __init__(self, ttl: Duration) -> None:
+        self._ttl = ttl
+        self._unique = Metrics.counter(METRICS_NAMESPACE, "unique")
+        self._duplicates = Metrics.counter(METRICS_NAMESPACE, "duplicates")
+
+    def process(self, element: tuple[Hashable, Iterable[tuple[Timestamp, Any]]]) -> Any:
+        event_id, timed_copies = element
+        copies = list(timed_copies)
+        if len(copies) == 1:
+            self._unique.inc()
+            timestamp, event = copies[0]
+            yield TimestampedValue(event, timestamp)
+            return
+        copies.sort(key=_time_of)  # stable: equal event times keep the delivery order
+        kept: Timestamp | None = None
+        unique = duplicates = 0
+        for timestamp, event in copies:
+            if kept is None or timestamp >= kept + self._ttl:
+                kept = timestamp
+                unique += 1
+                yield TimestampedValue(event, timestamp)
+                continue
+            duplicates += 1
+            yield beam.pvalue.TaggedOutput(
+                _QUARANTINE,
+                TimestampedValue(
+                    QuarantinedEvent(
+                        event,
+                        event_id,
+                        f"duplicate of event id {event_id!r} first seen at {Timestamp.of(kept).to_rfc3339()}",
+                        timestamp,
+                        kept,
+                    ),
+                    timestamp,
+                ),
+            )
+        self._unique.inc(unique)
+        if duplicates:
+            self._duplicates.inc(duplicates)
+
+
+def _time_of(timed: tuple[Timestamp, Any]) -> Timestamp:
+    return timed[0]
+
+
+def _can_group(events: beam.PCollection) -> bool:
+    """Whether the grouped path gives the stateful path's result: bounded input in a batch run, windows that
+    neither merge nor fire early (one pane per window, so one group holds every copy of an id in that window)."""
+    if not events.is_bounded:
+        return False
+    options = events.pipeline.options if events.pipeline is not None else None
+    if options is not None and options.view_as(StandardOptions).streaming:
+        # A streaming runner fires the grouping at the end of the (global) window, after the watermark has passed
+        # the events' own times: re-stamped to those times they would be late downstream.
+        return False
+    windowing = events.windowing
+    return not windowing.windowfn.is_merging() and windowing.triggerfn == DefaultTrigger()
+
+
 class DeduplicateEvents(beam.PTransform):
     """Passes on the first copy of each event id and quarantines every later copy, with the reason.
 
@@ -133,9 +207,16 @@ class DeduplicateEvents(beam.PTransform):
     runner processes, not necessarily the earliest by event time. Events without an id are quarantined, not dropped.
     Counters in namespace ``beamflow.deduplicate``: ``unique``, ``duplicates``, ``missing_id``.
 
-    Needs: a keyed stateful ParDo (a shuffle by event id). Deduplication is per window: apply it to globally
-    windowed input (before ``WindowInto``) for stream-wide deduplication; in fixed windows, copies in different
-    windows are not compared.
+    Bounded input in a batch run (``pcoll.is_bounded`` and not ``--streaming``, windows that do not merge and the
+    default trigger): the same guarantee with one ``GroupByKey`` per event id instead of per-key state and timers
+    (much cheaper on FnApiRunner, which pays a state-API round trip and a timer per id). There every copy is seen
+    at once, so "first" is the earliest copy by event time (ties: delivery order) and the TTL is applied in event
+    time: a copy at or past ``first + ttl`` starts a new TTL, as it would on a stream whose watermark follows event
+    time. Outputs keep each event's own timestamp and window. Unbounded or streaming input keeps the stateful path.
+
+    Needs: a keyed stateful ParDo, or on bounded input a GroupByKey (either way a shuffle by event id).
+    Deduplication is per window: apply it to globally windowed input (before ``WindowInto``) for stream-wide
+    deduplication; in fixed windows, copies in different windows are not compared.
 
     Args:
         id_field: the mapping key that holds the event id (used when ``id_fn`` is not given).
@@ -162,12 +243,21 @@ class DeduplicateEvents(beam.PTransform):
             self._what = f"field {id_field!r}"
 
     def expand(self, events: beam.PCollection) -> DeduplicateResult:
-        keyed = events | "KeyById" >> beam.ParDo(_KeyById(self._id_of, self._what)).with_outputs(
+        grouped = _can_group(events)
+        keyed = events | "KeyById" >> beam.ParDo(_KeyById(self._id_of, self._what, with_time=grouped)).with_outputs(
             _QUARANTINE, main="keyed"
         )
-        first = keyed.keyed | "FirstCopyPerId" >> beam.ParDo(_FirstCopyPerId(self._ttl)).with_outputs(
-            _QUARANTINE, main=_UNIQUE
-        )
+        if grouped:
+            first = (
+                keyed.keyed
+                | "CopiesPerId" >> beam.GroupByKey()
+                | "FirstCopyPerGroup"
+                >> beam.ParDo(_FirstCopyPerGroup(self._ttl)).with_outputs(_QUARANTINE, main=_UNIQUE)
+            )
+        else:
+            first = keyed.keyed | "FirstCopyPerId" >> beam.ParDo(_FirstCopyPerId(self._ttl)).with_outputs(
+                _QUARANTINE, main=_UNIQUE
+            )
         quarantine = (keyed[_QUARANTINE], first[_QUARANTINE]) | "Quarantine" >> beam.Flatten()
         return DeduplicateResult(first[_UNIQUE], quarantine)
 

@@ -451,3 +451,58 @@ def test_streaming_detection_per_fixed_window() -> None:
     hot_elements = result.metrics().query(MetricsFilter().with_name("hot_elements"))["counters"]
     # Window 0: "hot" (12 of 14 events) is hot; window 1: "b" (15 of 16) is, and "hot" (1) is not.
     assert sum(c.committed for c in hot_elements) == 12 + 15
+
+
+def _rows_with_time(
+    events: list[dict[str, Any]], streaming: bool, **hot_key_args: Any
+) -> tuple[list[tuple[Any, ...]], dict[str, int], set[str]]:
+    """HotKeyAggregate over Sessions; rows with their timestamps, counters and the pipeline's transform labels."""
+
+    class _Timed(beam.DoFn):
+        def process(self, row: WindowedAggregate, timestamp: Any = beam.DoFn.TimestampParam) -> Iterator[Any]:
+            yield row, timestamp
+
+    pipeline = beam.Pipeline(options=local_options(streaming=streaming))
+    rows = (
+        pipeline
+        | beam.Create(events)
+        | "Timestamp" >> beam.Map(_keyed)
+        | HotKeyAggregate(SessionClicksFn(), shard_by=_event_id, **hot_key_args)
+    )
+    got = collect(rows | beam.ParDo(_Timed()), "Rows")
+    result = pipeline.run()
+    result.wait_until_finish()
+    counters = {
+        c.key.metric.name: c.committed
+        for c in result.metrics().query(MetricsFilter().with_namespace(METRICS_NAMESPACE))["counters"]
+    }
+    labels = {t.unique_name.rsplit("/", 1)[-1] for t in pipeline.to_runner_api().components.transforms.values()}
+    return sorted(_COLLECTED.pop(got), key=repr), counters, labels
+
+
+@pytest.mark.parametrize("lateness", [0, 1800])
+def test_bounded_sessions_grouped_path_equals_windowed_path(lateness: int) -> None:
+    # Batch run (grouped path: GroupByKey per key / shard, no trigger machinery, no pane ledger) against the same
+    # job with --streaming (the windowed path with the stateful pane ledger): the same rows, field for field
+    # (pane index, first/last, timing, supersedes) and timestamp, and every input counted as aggregated.
+    events = skewed_clicks(n=1500, users=120, hot_users=2, hot_share=0.25, span=3 * 3600, seed=3)
+    # Exactly one gap apart (separate sessions in Beam) and a chain of events that bridges partial sessions.
+    events += [click("u0", t, event_id=f"edge{t}") for t in (20_000, 20_600, 21_100, 21_650)]
+    args = {
+        "windowfn": Sessions(TEN_MINUTES),
+        "hot_keys": {"u1"},
+        "detect": HotKeyDetection(min_share=0.05),
+        "fanout": 8,
+        "allowed_lateness": lateness,
+    }
+    grouped, grouped_counters, grouped_labels = _rows_with_time(events, streaming=False, **args)
+    windowed, windowed_counters, windowed_labels = _rows_with_time(events, streaming=True, **args)
+    assert "GroupCold" in grouped_labels and "PaneLedger" not in grouped_labels
+    assert "PaneLedger" in windowed_labels and "GroupCold" not in windowed_labels
+    assert grouped == windowed
+    assert len(grouped) > 100
+    for counters in (grouped_counters, windowed_counters):
+        assert counters["input_elements"] == counters["aggregated_elements"] == len(events)
+        assert counters["hot_elements"] > 0.2 * len(events)
+    edge = [(r.window_start.micros // 10**6, r.window_end.micros // 10**6) for r, _ in grouped if r.key == "u0"]
+    assert (20_000, 20_600) in edge and (20_600, 22_250) in edge
