@@ -58,9 +58,13 @@ class JobStatus:
 
     @property
     def late_dropped(self) -> float | None:
+        """Inputs minus aggregated, or None when unknown: Flink restarts operator counters with each task attempt,
+        and after a failover the two stages may have restarted at different points (aggregated > inputs)."""
         inputs = self.metrics.get("beamflow_hot_key_aggregate_input_elements")
         aggregated = self.metrics.get("beamflow_hot_key_aggregate_aggregated_elements")
-        return None if inputs is None or aggregated is None else inputs - aggregated
+        if inputs is None or aggregated is None or aggregated > inputs:
+            return None
+        return inputs - aggregated
 
 
 def _metric_name(metric_id: str) -> str | None:

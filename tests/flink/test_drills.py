@@ -53,6 +53,13 @@ from tests.flink.drill_support import (
 pytestmark = [pytest.mark.flink, pytest.mark.drills]
 
 EVENTS = 1200
+# The Beam metrics the status test reads; each appears once its stage has processed a record in the current attempt.
+STATUS_METRICS = {
+    "beamflow_kafka_records_read",
+    "beamflow_deduplicate_unique",
+    "beamflow_deduplicate_duplicates",
+    "beamflow_kafka_late_records",
+}
 
 
 @dataclass
@@ -169,9 +176,9 @@ def live_drill(
         main_id = main.job_id
         assert main_id
         # Flink's operator metrics restart with each task attempt: wait until the restarted stages reported again.
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + 120
         status = collect_status(main.rest, main_id, config)
-        while "beamflow_deduplicate_unique" not in status.metrics and time.monotonic() < deadline:
+        while not STATUS_METRICS.issubset(status.metrics) and time.monotonic() < deadline:
             time.sleep(3)
             status = collect_status(main.rest, main_id, config)
         status_text = format_status(status)

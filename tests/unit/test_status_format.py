@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from beamflow.cli.status import JobStatus, _metric_name, format_status
@@ -37,6 +39,11 @@ def test_table_shows_metrics_late_drops_lag_and_checkpoints() -> None:
     assert "records read from Kafka" in text and "1,578" in text
     assert "duplicates quarantined" in text
     assert status.late_dropped == 3
+    # After a failover the two stages' counters restart at different points: unknown, never a negative count.
+    restarted = dataclasses.replace(
+        status, metrics={**status.metrics, "beamflow_hot_key_aggregate_input_elements": 50.0}
+    )
+    assert restarted.late_dropped is None and "dropped as too late" not in format_status(restarted)
     assert "beamflow_something_new" in text  # unknown metrics are listed, not dropped
     assert "7 / 1 / 0" in text and "#9" in text
     assert "not advanced (-inf)" in text
