@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import random
-import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import apache_beam as beam
@@ -18,30 +16,11 @@ from apache_beam.utils.timestamp import Duration
 
 from beamflow.aggregates import SessionClicksFn
 from runners.direct import local_options
+from tests.collected import collect, collected
 from transforms.deduplicate import METRICS_NAMESPACE, DeduplicateEvents, QuarantinedEvent
 from transforms.hot_key_aggregate import HotKeyAggregate, WindowedAggregate
 
 pytestmark = pytest.mark.unit
-
-_COLLECTED: dict[str, list[Any]] = {}
-
-
-class _Collect(beam.DoFn):
-    """Appends to a process-global list: FnApiRunner in_memory runs the pipeline in this process."""
-
-    def __init__(self, token: str) -> None:
-        self.token = token
-
-    def process(self, element: Any) -> Iterator[Any]:
-        _COLLECTED[self.token].append(element)
-        return iter(())
-
-
-def collect(pcoll: beam.PCollection, name: str) -> str:
-    token = f"{name}-{uuid.uuid4().hex}"
-    _COLLECTED[token] = []
-    pcoll | f"Collect{name}" >> beam.ParDo(_Collect(token))
-    return token
 
 
 def _timestamped(event: dict[str, Any]) -> TimestampedValue:
@@ -58,7 +37,7 @@ def run(events: list[Any], **dedup_args: Any) -> tuple[list[Any], list[Quarantin
         c.key.metric.name: c.committed
         for c in run_result.metrics().query(MetricsFilter().with_namespace(METRICS_NAMESPACE))["counters"]
     }
-    return _COLLECTED.pop(unique), _COLLECTED.pop(quarantine), counters
+    return collected(unique), collected(quarantine), counters
 
 
 def test_duplicates_go_to_quarantine_with_reason() -> None:
@@ -115,8 +94,8 @@ def test_state_expires_by_event_time_ttl() -> None:
     result = pipeline | stream | DeduplicateEvents(ttl=Duration(seconds=100))
     unique, quarantine = collect(result.unique, "Unique"), collect(result.quarantine, "Quarantine")
     pipeline.run().wait_until_finish()
-    assert sorted(e["event_time"] for e in _COLLECTED.pop(unique)) == [0, 150]
-    assert [q.event["event_time"] for q in _COLLECTED.pop(quarantine)] == [50]
+    assert sorted(e["event_time"] for e in collected(unique)) == [0, 150]
+    assert [q.event["event_time"] for q in collected(quarantine)] == [50]
 
 
 def test_bad_ttl_is_refused() -> None:
@@ -154,10 +133,10 @@ def test_replayed_duplicates_are_counted_once_in_aggregates() -> None:
     got_rows, got_quarantine = collect(rows, "Rows"), collect(deduped.quarantine, "Quarantine")
     pipeline.run().wait_until_finish()
 
-    aggregates: list[WindowedAggregate] = _COLLECTED.pop(got_rows)
+    aggregates: list[WindowedAggregate] = collected(got_rows)
     assert sum(r.value.events for r in aggregates) == len(originals)
     assert sum(r.input_count for r in aggregates) == len(originals)
-    quarantined: list[QuarantinedEvent] = _COLLECTED.pop(got_quarantine)
+    quarantined: list[QuarantinedEvent] = collected(got_quarantine)
     assert sorted(str(q.event_id) for q in quarantined) == sorted(str(e["event_id"]) for e in replayed)
     # Per user, each original event counted exactly once.
     per_user: dict[str, int] = {}

@@ -7,8 +7,6 @@ transform's choice of path), so both are compared on identical input.
 from __future__ import annotations
 
 import random
-import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import apache_beam as beam
@@ -19,31 +17,10 @@ from apache_beam.transforms.window import FixedWindows, GlobalWindows, Timestamp
 from apache_beam.utils.timestamp import Duration, Timestamp
 
 from runners.direct import local_options
+from tests.collected import collect, collected
 from transforms.deduplicate import METRICS_NAMESPACE, DeduplicateEvents, QuarantinedEvent
 
 pytestmark = pytest.mark.unit
-
-_COLLECTED: dict[str, list[Any]] = {}
-
-
-class _Collect(beam.DoFn):
-    """Appends (element, timestamp, window) to a process-global list (FnApiRunner in_memory runs in this process)."""
-
-    def __init__(self, token: str) -> None:
-        self.token = token
-
-    def process(
-        self, element: Any, timestamp: Any = beam.DoFn.TimestampParam, window: Any = beam.DoFn.WindowParam
-    ) -> Iterator[Any]:
-        _COLLECTED[self.token].append((element, timestamp, window))
-        return iter(())
-
-
-def collect(pcoll: beam.PCollection, name: str) -> str:
-    token = f"{name}-{uuid.uuid4().hex}"
-    _COLLECTED[token] = []
-    pcoll | f"Collect{name}" >> beam.ParDo(_Collect(token))
-    return token
 
 
 def _timestamped(event: dict[str, Any]) -> TimestampedValue:
@@ -62,14 +39,17 @@ def run(
     if window is not None:
         timed = timed | window
     result = timed | DeduplicateEvents(**dedup_args)
-    unique, quarantine = collect(result.unique, "Unique"), collect(result.quarantine, "Quarantine")
+    unique, quarantine = (
+        collect(result.unique, "Unique", with_time=True),
+        collect(result.quarantine, "Quarantine", with_time=True),
+    )
     run_result = pipeline.run()
     run_result.wait_until_finish()
     counters = {
         c.key.metric.name: c.committed
         for c in run_result.metrics().query(MetricsFilter().with_namespace(METRICS_NAMESPACE))["counters"]
     }
-    return _COLLECTED.pop(unique), _COLLECTED.pop(quarantine), counters, _labels(pipeline)
+    return collected(unique), collected(quarantine), counters, _labels(pipeline)
 
 
 def test_bounded_batch_takes_the_grouped_path_and_streaming_the_stateful_one() -> None:

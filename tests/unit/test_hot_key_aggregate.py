@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 
 from beamflow.aggregates import SessionClicks, SessionClicksFn
 from runners.direct import local_options
+from tests.collected import collect, collected
 from transforms.hot_key_aggregate import (
     METRICS_NAMESPACE,
     HotKeyAggregate,
@@ -39,25 +40,6 @@ from transforms.hot_key_aggregate import (
 pytestmark = pytest.mark.unit
 
 TEN_MINUTES = 600
-_COLLECTED: dict[str, list[Any]] = {}
-
-
-class _Collect(beam.DoFn):
-    """Appends to a process-global list: FnApiRunner in_memory runs the pipeline in this process."""
-
-    def __init__(self, token: str) -> None:
-        self.token = token
-
-    def process(self, element: Any) -> Iterator[Any]:
-        _COLLECTED.setdefault(self.token, []).append(element)
-        return iter(())
-
-
-def collect(pcoll: beam.PCollection, name: str) -> str:
-    token = f"{name}-{uuid.uuid4().hex}"
-    _COLLECTED[token] = []
-    pcoll | f"Collect{name}" >> beam.ParDo(_Collect(token))
-    return token
 
 
 def fn_api_pipeline() -> beam.Pipeline:
@@ -109,10 +91,10 @@ def compare_with_combine_per_key(
         c.key.metric.name: c.committed
         for c in result.metrics().query(MetricsFilter().with_namespace(METRICS_NAMESPACE))["counters"]
     }
-    got_rows: list[WindowedAggregate] = _COLLECTED.pop(got)
+    got_rows: list[WindowedAggregate] = collected(got)
     # Batch: one on-time pane per key and window, nothing superseded.
     assert all(r.pane_index == 0 and r.timing == "ON_TIME" and not r.supersedes for r in got_rows), got_rows
-    return sorted(map(_row_key, got_rows), key=repr), sorted(_COLLECTED.pop(want), key=repr), counters
+    return sorted(map(_row_key, got_rows), key=repr), sorted(collected(want), key=repr), counters
 
 
 def skewed_clicks(n: int, users: int, hot_users: int, hot_share: float, span: float, seed: int) -> list[dict[str, Any]]:
@@ -346,7 +328,7 @@ def run_late_stream(windowfn: WindowFn) -> tuple[list[WindowedAggregate], int, d
         c.key.metric.name: c.committed
         for c in result.metrics().query(MetricsFilter().with_namespace(METRICS_NAMESPACE))["counters"]
     }
-    got = sorted(_COLLECTED.pop(token), key=lambda r: (r.key, r.pane_index, r.input_count))
+    got = sorted(collected(token), key=lambda r: (r.key, r.pane_index, r.input_count))
     return got, late_dropped(result.metrics()), counters
 
 
@@ -416,7 +398,7 @@ def test_streaming_sessions_spanning_more_than_a_gap_on_one_shard() -> None:
     token = collect(rows, "Streaming")
     pipeline.run().wait_until_finish()
     got = sorted(
-        (r.window_start.micros // 10**6, r.window_end.micros // 10**6, r.value.events) for r in _COLLECTED.pop(token)
+        (r.window_start.micros // 10**6, r.window_end.micros // 10**6, r.value.events) for r in collected(token)
     )
     assert got == [(0, 210, 4), (400, 460, 1)]
 
@@ -446,7 +428,7 @@ def test_streaming_detection_per_fixed_window() -> None:
     token = collect(rows, "Detected")
     result = pipeline.run()
     result.wait_until_finish()
-    got = sorted((r.key, r.window_start.micros // 10**6, r.value.events) for r in _COLLECTED.pop(token))
+    got = sorted((r.key, r.window_start.micros // 10**6, r.value.events) for r in collected(token))
     assert got == [("a", 0, 1), ("b", 0, 1), ("b", 60, 15), ("hot", 0, 12), ("hot", 60, 1)]
     hot_elements = result.metrics().query(MetricsFilter().with_name("hot_elements"))["counters"]
     # Window 0: "hot" (12 of 14 events) is hot; window 1: "b" (15 of 16) is, and "hot" (1) is not.
@@ -477,7 +459,7 @@ def _rows_with_time(
         for c in result.metrics().query(MetricsFilter().with_namespace(METRICS_NAMESPACE))["counters"]
     }
     labels = {t.unique_name.rsplit("/", 1)[-1] for t in pipeline.to_runner_api().components.transforms.values()}
-    return sorted(_COLLECTED.pop(got), key=repr), counters, labels
+    return sorted(collected(got), key=repr), counters, labels
 
 
 @pytest.mark.parametrize("lateness", [0, 1800])
