@@ -156,8 +156,8 @@ def live_drill(
         main.start()
         timings["submit_s"] = round(main.submitted_s, 1)
         sampler.start()
+        main.wait_for_checkpoints(1, 180)  # before any traffic: a slow start must not let the job take it all at once
         feeder.start()
-        main.wait_for_checkpoints(1, 180)
 
         # Drill 1: TaskManager SIGKILLed mid-stream; Flink restarts the job from its last checkpoint.
         # The producer holds still until the job has shown it processes and is back from the failure, so the
@@ -245,8 +245,8 @@ def restore_drill(
         first.start()
         timings["submit_s"] = round(first.submitted_s, 1)
         sampler.start()
+        first.wait_for_checkpoints(2, 180)  # see the live drill
         feeder.start()
-        first.wait_for_checkpoints(2, 180)
 
         # Drill 4: JobManager SIGKILLed; without HA the restarted JobManager knows no job: resubmit from the newest
         # retained checkpoint (seed 003's failover path).
