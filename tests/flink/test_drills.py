@@ -48,8 +48,7 @@ from tests.flink.drill_support import (
     wait_for_sinks,
 )
 
-# Not in the default run: in about one run in four a freshly submitted job reads nothing (cause not found yet,
-# issue 8). Run with `./run test -m drills`.
+# In the default run. `./run test -m drills` runs only the drills.
 pytestmark = [pytest.mark.flink, pytest.mark.drills]
 
 EVENTS = 1200
