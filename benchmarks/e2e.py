@@ -63,12 +63,16 @@ BASELINE_APPEND_INTERVAL_S = 5.0
 # missing on Beam 2.62 + Flink 1.19 (runners/flink.py); a streaming run would also take the stateful dedup and
 # windowed-session paths, not the batch paths the DirectRunner variant measures. Batch runs the same code as the
 # ``beamflow`` variant, and the job ends by itself when the input does.
-# Parallelism 1, not conf/flink.yaml's 2: at 2 the batch job (55 vertices) fails over once, every time, on the
+# Parallelism 1, not conf/flink.yaml's 2: at 2 the batch job (55 vertices) failed over once in both runs tried on the
 # default local cluster (TaskManager 1728m, 4,096 network buffers): a task asks for the 512 buffers Flink 1.19's
 # sort-shuffle needs per blocking result partition while others hold the rest ("Insufficient number of network
 # buffers"). The job then restarts that region and finishes, correct but with the failed attempt in its run time.
 # ``--flink-parallelism 2`` measures that; the output flags a failover whenever one happens.
 FLINK_BENCH: dict[str, Any] = {"streaming": False, "parallelism": 1}
+# A variant's subprocess is ended after this long (a streaming Flink job whose source never finishes, say).
+VARIANT_TIMEOUT_S = 900
+# ``--flink-streaming``: a streaming job instead; its bounded source then stops only after this much idle time.
+FLINK_STREAMING_IDLE_MS = 3000
 
 
 # ---- one variant, run in a subprocess -----------------------------------------------------------------------------
@@ -605,14 +609,27 @@ def run_variant(
     if flink is not None:
         jvms = JvmSampler(dict(flink.info.get("roles", {})), flink.info["rest_url"])
         jvms.start()
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.e2e", "--child", variant, str(path)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    lag = sampler.stop() if sampler else []
-    jvm = jvms.stop() if jvms else {}
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "benchmarks.e2e", "--child", variant, str(path)],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=VARIANT_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired as exc:
+        if flink is not None:  # the child is gone (and its LOOPBACK workers); do not leave its job behind
+            from beamflow.flink_rest import TERMINAL_STATES, FlinkRest
+
+            rest = FlinkRest(flink.info["rest_url"])
+            for job in rest.jobs():
+                if job.name == config["flink"]["job_name"] and job.state not in TERMINAL_STATES:
+                    rest.cancel(job.job_id)
+        stderr = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else str(exc.stderr or "")
+        raise RuntimeError(f"variant {variant} not done after {VARIANT_TIMEOUT_S}s:\n{stderr[-3000:]}") from exc
+    finally:
+        lag = sampler.stop() if sampler else []
+        jvm = jvms.stop() if jvms else {}
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"variant {variant} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -639,6 +656,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kafka-json", help="benchmarks.kafka_read --json output to include in the plot")
     parser.add_argument(
         "--flink-parallelism", type=int, help=f"parallelism of the flink variant (default {FLINK_BENCH['parallelism']})"
+    )
+    parser.add_argument(
+        "--flink-streaming",
+        action="store_true",
+        help="run the flink variant as a streaming job (checkpointing as in conf/flink.yaml) whose bounded source "
+        f"shuts down after {FLINK_STREAMING_IDLE_MS} ms idle, instead of batch",
     )
     parser.add_argument(
         "--keep-services", action="store_true", help="leave kafka, postgres, registry (and flink) running"
@@ -692,6 +715,8 @@ def _measure(args: argparse.Namespace, services: Any, workdir: Path) -> int:
             "files_to_stage": staged_jars(Path(flink.info["job_server_classpath"])),
             "parallelism": args.flink_parallelism or FLINK_BENCH["parallelism"],
         }
+        if args.flink_streaming:
+            base["flink"].update(streaming=True, shutdown_sources_after_idle_ms=FLINK_STREAMING_IDLE_MS)
     spec = TrafficSpec(events=args.events, partitions=int(base["kafka"].get("partitions", 4)))
     create_topic(base["kafka"]["bootstrap"], base["kafka"]["topic"], spec.partitions)
     traffic = generate_traffic(spec, avro_click_encoder(base["registry"]["url"], base["registry"]["subject"]))
@@ -763,7 +788,9 @@ def _measure(args: argparse.Namespace, services: Any, workdir: Path) -> int:
         r = results["flink"]
         cpu = r.get("jvm_cpu_s") or {}
         print(
-            f"\nflink: job {r['job_id']} {r['flink_state']}, batch (streaming: false), parallelism "
+            f"\nflink: job {r['job_id']} {r['flink_state']}, "
+            + ("streaming" if base["flink"].get("streaming") else "batch (streaming: false)")
+            + f", parallelism "
             f"{base['flink']['parallelism']}, LOOPBACK SDK workers in the submitting process; restarted: "
             f"{r['restarted']}, failures in Flink's exception history: {r['failures']}\n"
             f"  total wall {r['seconds']:.1f}s (run_with_config) = submission {r['submit_s']:.1f}s (call -> Flink "
