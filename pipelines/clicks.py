@@ -19,7 +19,7 @@ import argparse
 import datetime as dt
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,7 +149,7 @@ class _DeleteSupersededSessions(beam.DoFn):
     def teardown(self) -> None:
         self._pool.close()
 
-    def process(self, agg: WindowedAggregate) -> None:
+    def process(self, agg: WindowedAggregate) -> Iterator[None]:
         from psycopg import sql
 
         stale = [(s, e) for s, e in agg.supersedes if s != agg.window_start]
@@ -169,6 +169,7 @@ class _DeleteSupersededSessions(beam.DoFn):
                         agg.input_count,
                     ),
                 )
+        yield from ()  # outputs nothing; a generator keeps Beam from warning about a missing iterator
 
 
 def impression_row(event: dict[str, Any]) -> dict[str, Any]:

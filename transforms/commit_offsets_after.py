@@ -9,7 +9,7 @@ a side input of the commit, and a runner computes a side input completely before
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import apache_beam as beam
@@ -37,7 +37,7 @@ class _CommitFn(beam.DoFn):
         self._group_id = group_id
         self._backend = backend
 
-    def process(self, position: tuple[tuple[str, int], int], *sinks_done: Iterable[int]) -> None:
+    def process(self, position: tuple[tuple[str, int], int], *sinks_done: Iterable[int]) -> Iterator[None]:
         (topic, partition), last_offset = position
         consumer = open_consumer(self._backend, self._bootstrap, self._group_id)
         try:
@@ -45,6 +45,7 @@ class _CommitFn(beam.DoFn):
                 Metrics.gauge("beamflow.kafka", f"committed_offset.{topic}-{partition}").set(last_offset + 1)
         finally:
             consumer.close()
+        yield from ()  # outputs nothing; a generator keeps Beam from warning about a missing iterator
 
 
 class CommitOffsetsAfter(beam.PTransform):
