@@ -14,6 +14,7 @@ from typing import Any
 
 import apache_beam as beam
 from apache_beam.metrics import Metrics
+from apache_beam.options.pipeline_options import StandardOptions
 from apache_beam.transforms.window import GlobalWindows
 
 from beamflow.kafka.client import open_consumer
@@ -64,7 +65,8 @@ class CommitOffsetsAfter(beam.PTransform):
         written = records | ... | WriteToIceberg(...)
         records | CommitOffsetsAfter(bootstrap, "clicks-backfill", after=[written.commits, written.dead_letter])
 
-    Needs: bounded input (on unbounded input a global side input never completes; use the read's own commits).
+    Needs: bounded input in a batch pipeline (on unbounded input a global side input never completes, and a
+    streaming Flink job cannot checkpoint the side-input steps; streaming reads commit on finalization instead).
     """
 
     def __init__(self, bootstrap: str, group_id: str, after: Sequence[beam.PCollection], backend: str = "confluent"):
@@ -79,6 +81,13 @@ class CommitOffsetsAfter(beam.PTransform):
     def expand(self, records: beam.PCollection) -> beam.PCollection:
         if not records.is_bounded:
             raise ValueError("CommitOffsetsAfter needs a bounded read; a streaming read commits on finalization")
+        options = records.pipeline.options if records.pipeline is not None else None
+        if options is not None and options.view_as(StandardOptions).streaming:
+            # Beam 2.62's Flink runner declines checkpoints of the side-input steps this needs (ClassCastException
+            # in the snapshot), so a streaming job would fail over forever; its read commits on finalization instead.
+            raise ValueError(
+                "CommitOffsetsAfter needs a batch pipeline (not --streaming); streaming reads commit on finalization"
+            )
         positions = (
             records | "Positions" >> beam.Map(_position) | "HighestPerPartition" >> beam.CombinePerKey(max)  # type: ignore[arg-type]
         )
