@@ -99,21 +99,74 @@ def _running_with_new_checkpoint(job: DrillJob, timeout: float = 240) -> None:
     job.wait_for_checkpoints(1, timeout)
 
 
-def _finish(
-    config: dict[str, Any],
-    traffic: GeneratedTraffic,
-    feeder: TrafficFeeder,
-    sampler: OffsetSampler,
-    jobs: list[DrillJob],
-    t0: float,
-    result_timings: dict[str, float],
-) -> DrillResult:
+@dataclass(frozen=True)
+class DrillServices:
+    kafka: ServiceState
+    postgres: ServiceState
+    registry: ServiceState
+    flink: ServiceState
+    service_set: ServiceSet
+
+    @property
+    def flink_service(self) -> FlinkService:
+        service: FlinkService = self.service_set.get("flink")  # type: ignore[assignment]
+        return service
+
+
+@pytest.fixture(scope="module")
+def drill_services(
+    kafka: ServiceState, postgres: ServiceState, registry: ServiceState, flink: ServiceState, service_set: ServiceSet
+) -> DrillServices:
+    return DrillServices(kafka, postgres, registry, flink, service_set)
+
+
+@dataclass
+class Drill:
+    """One drill's parts: its config and generated traffic, the producer thread, the offset sampler, its records."""
+
+    config: dict[str, Any]
+    traffic: GeneratedTraffic
+    work: Path
+    feeder: TrafficFeeder
+    sampler: OffsetSampler
+    t0: float = field(default_factory=time.monotonic)
+    timings: dict[str, float] = field(default_factory=dict)
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    def start(self, job: DrillJob, checkpoints: int) -> None:
+        """Submits the first job; traffic starts only once it checkpointed, so a slow start cannot let the job take
+        all of it at once (every disruption must fall mid-stream)."""
+        job.start()
+        self.timings["submit_s"] = round(job.submitted_s, 1)
+        self.sampler.start()
+        job.wait_for_checkpoints(checkpoints, 180)
+        self.feeder.start()
+
+
+def _new_drill(
+    name: str,
+    services: DrillServices,
+    tmp_path_factory: pytest.TempPathFactory,
+    seed: int,
+    v2_from: float | None = None,
+) -> Drill:
+    config = drill_config(
+        name, services.kafka, services.postgres, services.registry, services.flink, services.service_set.data
+    )
+    traffic = traffic_for(config, EVENTS, seed=seed, v2_from=v2_from)
+    create_topic(config["kafka"]["bootstrap"], config["kafka"]["topic"], int(config["kafka"]["partitions"]))
+    feeder = TrafficFeeder(config, traffic.records, chunks=12, pause_s=3)
+    return Drill(config, traffic, tmp_path_factory.mktemp(f"{name}-drill"), feeder, OffsetSampler(config))
+
+
+def _finish(drill: Drill, jobs: list[DrillJob]) -> DrillResult:
+    config, traffic, feeder, t0, result_timings = drill.config, drill.traffic, drill.feeder, drill.t0, drill.timings
     feeder.join(300)
     assert feeder.error is None and feeder.sent == len(traffic.records), feeder.error
     result_timings["produced_s"] = round(time.monotonic() - t0, 1)
     counts = wait_for_sinks(config, traffic, timeout=120)
     result_timings["sinks_settled_s"] = round(time.monotonic() - t0, 1)
-    samples = sampler.finish()
+    samples = drill.sampler.finish()
     notes: dict[str, Any] = {"counts_while_running": counts}
     # End the drill the way an operator ends a streaming job: stop with a draining savepoint (the watermark goes to
     # the end of time, so staged batches and windows flush), then audit. Cancel only if the stop fails.
@@ -131,32 +184,14 @@ def _finish(
 
 
 @pytest.fixture(scope="module")
-def live_drill(
-    kafka: ServiceState,
-    postgres: ServiceState,
-    registry: ServiceState,
-    flink: ServiceState,
-    service_set: ServiceSet,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[DrillResult]:
-    work = tmp_path_factory.mktemp("live-drill")
-    config = drill_config("live", kafka, postgres, registry, flink, service_set.data)
-    traffic = traffic_for(config, EVENTS, seed=21)
-    create_topic(config["kafka"]["bootstrap"], config["kafka"]["topic"], int(config["kafka"]["partitions"]))
-    flink_service: FlinkService = service_set.get("flink")  # type: ignore[assignment]
-    timings: dict[str, float] = {}
-    notes: dict[str, Any] = {}
-    t0 = time.monotonic()
+def live_drill(drill_services: DrillServices, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DrillResult]:
+    drill = _new_drill("live", drill_services, tmp_path_factory, seed=21)
+    config, work, feeder, timings, notes = drill.config, drill.work, drill.feeder, drill.timings, drill.notes
+    flink_service = drill_services.flink_service
     main = DrillJob(config, work, "main")
     zombie = DrillJob(config, work, "zombie")
-    sampler = OffsetSampler(config)
-    feeder = TrafficFeeder(config, traffic.records, chunks=12, pause_s=3)
     try:
-        main.start()
-        timings["submit_s"] = round(main.submitted_s, 1)
-        sampler.start()
-        main.wait_for_checkpoints(1, 180)  # before any traffic: a slow start must not let the job take it all at once
-        feeder.start()
+        drill.start(main, checkpoints=1)
 
         # Drill 1: TaskManager SIGKILLed mid-stream; Flink restarts the job from its last checkpoint.
         # The producer holds still until the job has shown it processes and is back from the failure, so the
@@ -184,14 +219,16 @@ def live_drill(
         conf_path = work / "status.yaml"
         conf_path.write_text(yaml.safe_dump(config))
         with contextlib.redirect_stdout(io.StringIO()) as out:
-            exit_code = cli_main(["status", "--rest", flink.info["rest_url"], "--job", main_id, f"--conf={conf_path}"])
+            exit_code = cli_main(
+                ["status", "--rest", drill_services.flink.info["rest_url"], "--job", main_id, f"--conf={conf_path}"]
+            )
         notes["status_cli"] = (exit_code, out.getvalue())
 
         # Drill 2: the broker restarted mid-stream (same port, same log dirs).
         _wait_sent(feeder, 0.55)
         notes["before_broker_restart"] = sink_counts(config)
         started = time.monotonic()
-        kafka_service = service_set.get("kafka")
+        kafka_service = drill_services.service_set.get("kafka")
         kafka_service.down()
         kafka_service.up()
         _running_with_new_checkpoint(main)
@@ -203,11 +240,11 @@ def live_drill(
         timings["zombie_submit_s"] = round(time.monotonic() - started, 1)
         notes["zombie_started_at_sent"] = feeder.sent
 
-        result = _finish(config, traffic, feeder, sampler, [main, zombie], t0, timings)
+        result = _finish(drill, [main, zombie])
         result.notes.update(notes)
         result.notes["main_restarts"] = status.checkpoints.get("restored")
         result.status, result.status_text = status, status_text
-        timings["total_s"] = round(time.monotonic() - t0, 1)
+        timings["total_s"] = round(time.monotonic() - drill.t0, 1)
         print(f"\nlive drill timings {timings}\nnotes {result.notes}\n{status_text}")
         yield result
     finally:
@@ -218,34 +255,16 @@ def live_drill(
 
 
 @pytest.fixture(scope="module")
-def restore_drill(
-    kafka: ServiceState,
-    postgres: ServiceState,
-    registry: ServiceState,
-    flink: ServiceState,
-    service_set: ServiceSet,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[DrillResult]:
-    work = tmp_path_factory.mktemp("restore-drill")
-    config = drill_config("restore", kafka, postgres, registry, flink, service_set.data)
+def restore_drill(drill_services: DrillServices, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DrillResult]:
     # The producer switches to schema v2 half-way: between the JobManager drill and the savepoint drill.
-    traffic = traffic_for(config, EVENTS, seed=22, v2_from=0.5)
-    create_topic(config["kafka"]["bootstrap"], config["kafka"]["topic"], int(config["kafka"]["partitions"]))
-    flink_service: FlinkService = service_set.get("flink")  # type: ignore[assignment]
-    checkpoints_dir = Path(flink.info["checkpoints_dir"])
-    timings: dict[str, float] = {}
-    notes: dict[str, Any] = {}
-    t0 = time.monotonic()
+    drill = _new_drill("restore", drill_services, tmp_path_factory, seed=22, v2_from=0.5)
+    config, work, feeder, timings, notes = drill.config, drill.work, drill.feeder, drill.timings, drill.notes
+    flink_service = drill_services.flink_service
+    checkpoints_dir = Path(drill_services.flink.info["checkpoints_dir"])
     first = DrillJob(config, work, "first")
     jobs = [first]
-    sampler = OffsetSampler(config)
-    feeder = TrafficFeeder(config, traffic.records, chunks=12, pause_s=3)
     try:
-        first.start()
-        timings["submit_s"] = round(first.submitted_s, 1)
-        sampler.start()
-        first.wait_for_checkpoints(2, 180)  # see the live drill
-        feeder.start()
+        drill.start(first, checkpoints=2)
 
         # Drill 4: JobManager SIGKILLed; without HA the restarted JobManager knows no job: resubmit from the newest
         # retained checkpoint (seed 003's failover path).
@@ -299,9 +318,9 @@ def restore_drill(
         timings["savepoint_restore_s"] = round(time.monotonic() - started, 1)
         feeder.resume()
 
-        result = _finish(config, traffic, feeder, sampler, [third], t0, timings)
+        result = _finish(drill, [third])
         result.notes.update(notes)
-        timings["total_s"] = round(time.monotonic() - t0, 1)
+        timings["total_s"] = round(time.monotonic() - drill.t0, 1)
         print(f"\nrestore drill timings {timings}\nnotes {result.notes}")
         yield result
     finally:
