@@ -248,7 +248,8 @@ class _ReadPartitionFn(beam.DoFn, _PartitionRestrictions, _PartitionWatermarks):
         return consumer
 
     def _commit(self, tp: TopicPartition, next_offset: int) -> None:
-        """The bundle finalizer: a bounded read's runner finalizes each bundle after its output is durable."""
+        """Commits a finalized bundle's next offset. A bounded read commits at once; the local runner finalizes before
+        later stages run, so jobs that must not commit ahead of their sinks use ``CommitOffsetsAfter`` instead."""
         if self._committer is None:
             self._committer = ForwardOnlyCommitter(self._config.consumer())
         if self._committer.commit(tp, next_offset):
