@@ -38,14 +38,18 @@ class _CommitFn(beam.DoFn):
         self._group_id = group_id
         self._backend = backend
 
+    def setup(self) -> None:
+        # One client per worker, not one per partition.
+        self._consumer = open_consumer(self._backend, self._bootstrap, self._group_id)
+        self._committer = ForwardOnlyCommitter(self._consumer)
+
+    def teardown(self) -> None:
+        self._consumer.close()
+
     def process(self, position: tuple[tuple[str, int], int], *sinks_done: Iterable[int]) -> Iterator[None]:
         (topic, partition), last_offset = position
-        consumer = open_consumer(self._backend, self._bootstrap, self._group_id)
-        try:
-            if ForwardOnlyCommitter(consumer).commit(TopicPartition(topic, partition), last_offset + 1):
-                Metrics.gauge("beamflow.kafka", f"committed_offset.{topic}-{partition}").set(last_offset + 1)
-        finally:
-            consumer.close()
+        if self._committer.commit(TopicPartition(topic, partition), last_offset + 1):
+            Metrics.gauge("beamflow.kafka", f"committed_offset.{topic}-{partition}").set(last_offset + 1)
         yield from ()  # outputs nothing; a generator keeps Beam from warning about a missing iterator
 
 

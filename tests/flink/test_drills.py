@@ -159,6 +159,15 @@ def _new_drill(
     return Drill(config, traffic, tmp_path_factory.mktemp(f"{name}-drill"), feeder, OffsetSampler(config))
 
 
+def _restored(config: dict[str, Any], work: Path, label: str, path: str, jobs: list[DrillJob]) -> DrillJob:
+    """Submits the job restored from a checkpoint or savepoint ``path``; returns once it runs and checkpointed."""
+    job = DrillJob(config, work, label, (f"--savepoint_path={path}",))
+    jobs.append(job)  # cancelled by the fixture even if the start fails
+    job.start()
+    _running_with_new_checkpoint(job)
+    return job
+
+
 def _finish(drill: Drill, jobs: list[DrillJob]) -> DrillResult:
     config, traffic, feeder, t0, result_timings = drill.config, drill.traffic, drill.feeder, drill.t0, drill.timings
     feeder.join(300)
@@ -286,10 +295,7 @@ def restore_drill(drill_services: DrillServices, tmp_path_factory: pytest.TempPa
                 break
             assert time.monotonic() < deadline, overview
             time.sleep(1)
-        second = DrillJob(config, work, "second", (f"--savepoint_path={checkpoint}",))
-        jobs.append(second)
-        second.start()
-        _running_with_new_checkpoint(second)
+        second = _restored(config, work, "second", checkpoint, jobs)
         timings["jobmanager_restore_s"] = round(time.monotonic() - started, 1)
         feeder.resume()
         assert second.job_id
@@ -311,10 +317,7 @@ def restore_drill(drill_services: DrillServices, tmp_path_factory: pytest.TempPa
         notes["savepoint"] = savepoint
         second.reap(timeout=60)
         changed = {**config, "flink": {**config["flink"], "max_bundle_time_ms": 2000}}
-        third = DrillJob(changed, work, "third", (f"--savepoint_path={savepoint}",))
-        jobs.append(third)
-        third.start()
-        _running_with_new_checkpoint(third)
+        third = _restored(changed, work, "third", savepoint, jobs)
         timings["savepoint_restore_s"] = round(time.monotonic() - started, 1)
         feeder.resume()
 
