@@ -13,6 +13,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from beamflow.kafka.commits import DEFAULT_ROUND_GAP_S
+
 __all__ = ["Finding", "check_checkpoint_stats", "check_config", "check_record_gaps", "format_findings"]
 
 
@@ -103,16 +105,17 @@ def check_config(config: Mapping[str, Any], partitions: int | None = None) -> li
                 "set flink.min_pause_between_checkpoints_ms (e.g. half the interval)",
             )
         )
-    if interval and min_pause and int(min_pause) < 1000:
+    gap_ms = int(DEFAULT_ROUND_GAP_S * 1000)
+    if interval and min_pause and int(min_pause) < gap_ms:
         findings.append(
             Finding(
                 "min-pause-below-commit-round",
                 "warning",
-                f"minimum pause between checkpoints {int(min_pause)} ms is below ReadFromKafka's 1 s finalization "
-                "round gap",
-                "the read commits offsets one checkpoint late and tells checkpoints apart by a pause of over 1 s "
-                "between finalizations; with shorter pauses rounds merge and commits lag further behind",
-                "set flink.min_pause_between_checkpoints_ms to at least 1000 (e.g. half the interval)",
+                f"minimum pause between checkpoints {int(min_pause)} ms is below ReadFromKafka's {gap_ms} ms "
+                "finalization round gap",
+                f"the read commits offsets one checkpoint late and tells checkpoints apart by a pause of over {gap_ms} "
+                "ms between finalizations; with shorter pauses rounds merge and commits lag further behind",
+                f"set flink.min_pause_between_checkpoints_ms to at least {gap_ms} (e.g. half the interval)",
             )
         )
     backend = str(flink.get("state_backend", "hashmap")).lower()

@@ -45,7 +45,7 @@ from apache_beam.utils.timestamp import Duration, Timestamp
 from apache_beam.utils.windowed_value import create as windowed_value
 
 from beamflow.kafka.client import KafkaConsumerClient, open_consumer
-from beamflow.kafka.commits import ForwardOnlyCommitter, RoundDelayedCommits
+from beamflow.kafka.commits import DEFAULT_ROUND_GAP_S, ForwardOnlyCommitter, RoundDelayedCommits
 from beamflow.kafka.guard import exclusive_reader
 from beamflow.kafka.record import KafkaRecord, TopicPartition
 from beamflow.kafka.watermark import PartitionWatermark
@@ -107,7 +107,7 @@ class _ReaderConfig:
     max_bundle_records: int
     max_bundle_seconds: float
     commit_offsets: bool
-    finalize_round_gap_s: float = 1.0
+    finalize_round_gap_s: float = DEFAULT_ROUND_GAP_S
 
     def consumer(self) -> KafkaConsumerClient:
         return open_consumer(self.backend, self.bootstrap, self.group_id, dict(self.consumer_config))
@@ -525,7 +525,7 @@ class ReadFromKafka(beam.PTransform):
         max_bundle_records: int = 20_000,
         max_bundle_seconds: float = 1.0,
         partition_poll_interval_s: float = 5.0,
-        finalize_round_gap_s: float = 1.0,
+        finalize_round_gap_s: float = DEFAULT_ROUND_GAP_S,
     ) -> None:
         super().__init__()
         if not topics:

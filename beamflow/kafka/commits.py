@@ -10,9 +10,13 @@ from collections.abc import Callable
 from beamflow.kafka.client import KafkaConsumerClient
 from beamflow.kafka.record import TopicPartition
 
-__all__ = ["ForwardOnlyCommitter", "RoundDelayedCommits"]
+__all__ = ["DEFAULT_ROUND_GAP_S", "ForwardOnlyCommitter", "RoundDelayedCommits"]
 
 _LOG = logging.getLogger(__name__)
+
+# A pause between finalizer calls longer than this starts a new finalization round (RoundDelayedCommits); the
+# minimum pause between checkpoints must exceed it (beamflow doctor checks).
+DEFAULT_ROUND_GAP_S = 1.0
 
 
 class ForwardOnlyCommitter:
@@ -59,7 +63,7 @@ class RoundDelayedCommits:
     def __init__(
         self,
         commit: Callable[[TopicPartition, int], object],
-        round_gap_s: float = 1.0,
+        round_gap_s: float = DEFAULT_ROUND_GAP_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._commit = commit
