@@ -181,6 +181,14 @@ def impression_row(event: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
+def session_input(event: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(user_id, the fields the session aggregate and its sharding read): the whole event would cross the shuffle."""
+    return event["user_id"], {f: event[f] for f in SESSION_FIELDS}
+
+
+SESSION_FIELDS = ("event_type", "event_time", "event_id")
+
+
 @dataclass
 class ClicksJob:
     """The pipeline's outputs, for tests and the demo."""
@@ -240,7 +248,7 @@ def build_pipeline(p: beam.Pipeline, config: dict[str, Any]) -> ClicksJob:
         detection = HotKeyDetection()
     sessions = (
         dedup.unique
-        | "KeyByUser" >> beam.Map(lambda e: (e["user_id"], e))
+        | "KeyByUser" >> beam.Map(session_input)
         | "SessionAggregates"
         >> HotKeyAggregate(
             SessionClicksFn(),

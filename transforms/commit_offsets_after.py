@@ -28,8 +28,8 @@ def _position(record: KafkaRecord) -> tuple[tuple[str, int], int]:
     return (record.topic, record.partition), record.offset
 
 
-def _done(_: Any) -> int:
-    return 1
+def _nothing(_: Any) -> tuple[()]:
+    return ()
 
 
 class _CommitFn(beam.DoFn):
@@ -95,14 +95,14 @@ class CommitOffsetsAfter(beam.PTransform):
         positions = (
             records | "Positions" >> beam.Map(_position) | "HighestPerPartition" >> beam.CombinePerKey(max)  # type: ignore[arg-type]
         )
-        # One count per sink output, in the global window whatever windows the sink's output had (session
-        # windows cannot be side inputs): only its completion matters.
+        # Only each sink output's completion matters, not its elements: an empty PCollection fused into the sink's
+        # last stage, in the global window whatever windows the sink's output had (session windows cannot be side
+        # inputs). A side input is complete only when the stage producing it is, even when it holds nothing.
         done = [
             beam.pvalue.AsList(
                 pc
-                | f"SinkOutput{i}" >> beam.Map(_done)
-                | f"SinkOutputGlobal{i}" >> beam.WindowInto(GlobalWindows())
-                | f"SinkFinished{i}" >> beam.combiners.Count.Globally()
+                | f"SinkFinished{i}" >> beam.FlatMap(_nothing)
+                | f"SinkFinishedGlobal{i}" >> beam.WindowInto(GlobalWindows())
             )
             for i, pc in enumerate(self._after)
         ]

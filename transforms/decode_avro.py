@@ -12,6 +12,7 @@ from apache_beam.pvalue import TaggedOutput
 from beamflow.avro.registry import SchemaRegistryClient
 from beamflow.avro.serde import AvroDecodeError, AvroDeserializer
 from beamflow.deadletter import DeadLetter
+from beamflow.kafka.record import KafkaRecord
 
 __all__ = ["DEAD_LETTERS", "KAFKA_KEY", "METRICS_NAMESPACE", "STAGE", "DecodeAvro", "DecodeAvroResult"]
 
@@ -35,6 +36,14 @@ def _field(element: Any, name: str, default: Any = None) -> Any:
 
 
 def _coordinates(element: Any) -> dict[str, Any]:
+    if type(element) is KafkaRecord:  # the common case, without the generic lookups below (per record)
+        return {
+            "topic": element.topic,
+            "partition": element.partition,
+            "offset": element.offset,
+            "timestamp_ms": element.timestamp_ms,
+            "key": element.key,
+        }
     timestamp = _field(element, "timestamp_ms")
     if timestamp is None:
         timestamp = _field(element, "timestamp")
@@ -69,7 +78,7 @@ class _DecodeFn(beam.DoFn):
     def process(self, element: Any) -> Iterator[Any]:
         assert self._deserializer is not None, "setup() was not called"
         coords = _coordinates(element)
-        value = _field(element, "value")
+        value = element.value if type(element) is KafkaRecord else _field(element, "value")
         try:
             if value is not None and not isinstance(value, bytes | bytearray | memoryview):
                 raise AvroDecodeError(f"value is a {type(value).__name__}, not bytes")
@@ -95,7 +104,8 @@ class _DecodeFn(beam.DoFn):
             return
         self._decoded.inc()
         assert value is not None  # a null value raised NullValueError above
-        record[KAFKA_KEY] = {**coords, "schema_id": int.from_bytes(bytes(value)[1:5], "big")}
+        coords["schema_id"] = int.from_bytes(value[1:5], "big")
+        record[KAFKA_KEY] = coords
         yield record
 
 

@@ -68,8 +68,9 @@ class _KeyById(beam.DoFn):
                 QuarantinedEvent(event, None, f"missing event id ({self._what}; {error})", timestamp),
             )
             return
-        # The grouped (bounded) path carries each copy's event time through the GroupByKey, which re-stamps values.
-        yield (event_id, (timestamp, event)) if self._with_time else (event_id, event)
+        # The grouped (bounded) path carries each copy's event time through the GroupByKey, which re-stamps values;
+        # as int micros, which the shuffle's coder writes natively (a Timestamp would be pickled).
+        yield (event_id, (timestamp.micros, event)) if self._with_time else (event_id, event)
 
 
 class _FirstCopyPerId(beam.DoFn):
@@ -135,9 +136,9 @@ class _FirstCopyPerGroup(beam.DoFn):
         self._unique = Metrics.counter(METRICS_NAMESPACE, "unique")
         self._duplicates = Metrics.counter(METRICS_NAMESPACE, "duplicates")
 
-    def process(self, element: tuple[Hashable, Iterable[tuple[Timestamp, Any]]]) -> Any:
+    def process(self, element: tuple[Hashable, Iterable[tuple[int, Any]]]) -> Any:
         event_id, timed_copies = element
-        copies = list(timed_copies)
+        copies = [(Timestamp(micros=micros), event) for micros, event in timed_copies]
         if len(copies) == 1:
             self._unique.inc()
             timestamp, event = copies[0]

@@ -206,7 +206,8 @@ class _RouteByHotness(beam.DoFn):
         self._hot_keys = hot_keys
         self._fanout = fanout
         self._shard_by = shard_by
-        # The grouped (bounded Sessions) path: values leave as (event time, value), to survive its GroupByKey.
+        # The grouped (bounded Sessions) path: values leave as (event time in int micros, value), to survive its
+        # GroupByKey (ints cross the shuffle natively; a Timestamp would be pickled).
         self._with_time = with_time
         self._next_shard: dict[Any, int] = {}
         self._inputs = Metrics.counter(METRICS_NAMESPACE, "input_elements")
@@ -224,7 +225,7 @@ class _RouteByHotness(beam.DoFn):
         self._inputs.inc()
         key, value = element
         if key not in self._hot_keys and key not in detected:
-            yield (key, (timestamp, value)) if self._with_time else element
+            yield (key, (timestamp.micros, value)) if self._with_time else element
             return
         self._hot.inc()
         if self._shard_by is not None:
@@ -238,7 +239,7 @@ class _RouteByHotness(beam.DoFn):
                 start = _stable_hash(timestamp.micros)
             shard = start % self._fanout
             self._next_shard[key] = start + 1
-        yield beam.pvalue.TaggedOutput(_HOT, ((key, shard), (timestamp, value) if self._with_time else value))
+        yield beam.pvalue.TaggedOutput(_HOT, ((key, shard), (timestamp.micros, value) if self._with_time else value))
 
 
 class _SampleKeys(beam.DoFn):
@@ -355,10 +356,11 @@ class _PaneLedger(beam.DoFn):
         counts_state.clear()
 
 
-def _merge_spans(spans: list[tuple[Timestamp, Timestamp, Any]]) -> list[tuple[Timestamp, Timestamp, list[Any]]]:
-    """Merges [start, end) spans that overlap, exactly as ``Sessions.merge`` merges windows (``end > next.start``)."""
+def _merge_spans(spans: list[tuple[int, int, Any]]) -> list[tuple[int, int, list[Any]]]:
+    """Merges [start, end) spans (int micros) that overlap, exactly as ``Sessions.merge`` merges windows
+    (``end > next.start``)."""
     spans.sort(key=_span_start)  # stable
-    merged: list[tuple[Timestamp, Timestamp, list[Any]]] = []
+    merged: list[tuple[int, int, list[Any]]] = []
     for start, end, item in spans:
         if merged and merged[-1][1] > start:
             first, last, items = merged[-1]
@@ -370,7 +372,7 @@ def _merge_spans(spans: list[tuple[Timestamp, Timestamp, Any]]) -> list[tuple[Ti
     return merged
 
 
-def _span_start(span: tuple[Timestamp, Timestamp, Any]) -> Timestamp:
+def _span_start(span: tuple[int, int, Any]) -> int:
     return span[0]
 
 
@@ -378,9 +380,9 @@ class _GroupedSessions(beam.DoFn):
     """Bounded input in a batch run: the sessions of one group of inputs, computed from its grouped values.
 
     ``stage="direct"``: a cold key's inputs -> one ``WindowedAggregate`` row per session. ``"partial"``: one shard
-    of a hot key -> (key, (start, end, accumulator)) per partial session. ``"final"``: a hot key's partials ->
-    rows, merging partial sessions that overlap. The sessions are the connected components of the inputs'
-    [t, t + gap) windows, as ``Sessions`` merges them; each emits the one pane a batch run of the windowed
+    of a hot key -> (key, (start, end, accumulator)) per partial session (times in int micros). ``"final"``: a hot
+    key's partials -> rows, merging partial sessions that overlap. The sessions are the connected components of the
+    inputs' [t, t + gap) windows, as ``Sessions`` merges them; each emits the one pane a batch run of the windowed
     ``CombinePerKey`` emits (index 0, first, on time, not marked last), at the window's end, in the global window
     (where the pane ledger would leave it).
     """
@@ -405,7 +407,9 @@ class _GroupedSessions(beam.DoFn):
             ]
             yield from self._rows(group, sessions)
             return
-        spans = [(timestamp, timestamp + self._gap, value) for timestamp, value in grouped]
+        # Times stay int micros until a row is made: Timestamp arithmetic and comparisons cost per input.
+        gap = self._gap.micros
+        spans = [(t, t + gap, value) for t, value in grouped]
         accumulated = []
         for start, end, values in _merge_spans(spans):
             accumulator = self._fn.create_accumulator()
@@ -419,8 +423,9 @@ class _GroupedSessions(beam.DoFn):
         for start, end, accumulator in accumulated:
             yield key, (start, end, accumulator)
 
-    def _rows(self, key: Any, sessions: list[tuple[Timestamp, Timestamp, Any]]) -> Any:
-        for start, end, accumulator in sessions:
+    def _rows(self, key: Any, sessions: list[tuple[int, int, Any]]) -> Any:
+        for start_micros, end_micros, accumulator in sessions:
+            start, end = Timestamp(micros=start_micros), Timestamp(micros=end_micros)
             value, count = self._fn.extract_output(accumulator)
             yield TimestampedValue(
                 WindowedAggregate(

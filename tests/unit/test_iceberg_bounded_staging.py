@@ -52,3 +52,33 @@ def test_bounded_input_commits_every_row_once_in_offset_ordered_chunks(tmp_path:
     report = audit_table(table, id_column="event_id")
     assert (report.rows, report.distinct_ids, report.duplicate_ids) == (23, 23, 0)
     assert read_marks(table, "bounded-test") == {"clicks": {0: 7, 1: 7, 2: 6}}
+
+
+def test_bounded_input_with_key_column_commits_per_bundle_each_key_once(tmp_path: Path) -> None:
+    """With ``key_column`` the table's keys decide, not offset order: no grouping, commits as rows arrive.
+
+    Replayed copies (same key) inside the input, out-of-order offsets, batches cut at ``max_batch_rows`` and a whole
+    second run over the same input (a restarted backfill) must still leave every key exactly once.
+    """
+    config = CatalogConfig.local(tmp_path)
+    rows = shuffled_events(23, partitions=3)
+    with_replays = rows + [dict(r) for r in rows[:7]]
+    for run in range(2):
+        with beam.Pipeline(options=local_options()) as p:
+            result = (
+                p
+                | beam.Create(with_replays)
+                | WriteToIceberg(
+                    "sink.keyed",
+                    config,
+                    sink_id="keyed-test",
+                    key_column="event_id",
+                    key_time_column="event_time",
+                    max_batch_rows=5,
+                )
+            )
+            written = result.commits | beam.Map(lambda c: c["rows_written"]) | beam.CombineGlobally(sum)
+            assert_that(written, equal_to([23 if run == 0 else 0]), label=f"rows written in run {run}")
+            assert_that(result.dead_letter, equal_to([]), label=f"no dead letters in run {run}")
+        report = audit_table(open_catalog(config).load_table("sink.keyed"), id_column="event_id")
+        assert (report.rows, report.distinct_ids, report.duplicate_ids) == (23, 23, 0)
