@@ -13,14 +13,16 @@ from apache_beam.options.pipeline_options import StandardOptions
 from apache_beam.transforms.timeutil import TimeDomain
 from apache_beam.transforms.trigger import DefaultTrigger
 from apache_beam.transforms.userstate import ReadModifyWriteStateSpec, TimerSpec, on_timer
-from apache_beam.transforms.window import TimestampedValue
+from apache_beam.transforms.window import GlobalWindow, GlobalWindows, TimestampedValue
 from apache_beam.utils.timestamp import Duration, Timestamp
+from apache_beam.utils.windowed_value import WindowedValue
 
 __all__ = ["METRICS_NAMESPACE", "DeduplicateEvents", "DeduplicateResult", "QuarantinedEvent"]
 
 METRICS_NAMESPACE = "beamflow.deduplicate"
 
 _UNIQUE = "unique"
+_GLOBAL = (GlobalWindow(),)
 _QUARANTINE = "quarantine"
 
 
@@ -131,8 +133,11 @@ class _FirstCopyPerGroup(beam.DoFn):
     end of the window, is not used), in the window it came in.
     """
 
-    def __init__(self, ttl: Duration) -> None:
+    def __init__(self, ttl: Duration, global_window: bool = False) -> None:
         self._ttl = ttl
+        # In the global window an output can be made whole (a WindowedValue): cheaper per element than a
+        # TimestampedValue, for which the runner looks the window up again.
+        self._global_window = global_window
         self._unique = Metrics.counter(METRICS_NAMESPACE, "unique")
         self._duplicates = Metrics.counter(METRICS_NAMESPACE, "duplicates")
 
@@ -142,7 +147,7 @@ class _FirstCopyPerGroup(beam.DoFn):
         if len(copies) == 1:
             self._unique.inc()
             timestamp, event = copies[0]
-            yield TimestampedValue(event, timestamp)
+            yield self._at(event, timestamp)
             return
         copies.sort(key=_time_of)  # stable: equal event times keep the delivery order
         kept: Timestamp | None = None
@@ -151,7 +156,7 @@ class _FirstCopyPerGroup(beam.DoFn):
             if kept is None or timestamp >= kept + self._ttl:
                 kept = timestamp
                 unique += 1
-                yield TimestampedValue(event, timestamp)
+                yield self._at(event, timestamp)
                 continue
             duplicates += 1
             yield beam.pvalue.TaggedOutput(
@@ -170,6 +175,10 @@ class _FirstCopyPerGroup(beam.DoFn):
         self._unique.inc(unique)
         if duplicates:
             self._duplicates.inc(duplicates)
+
+    def _at(self, event: Any, timestamp: Timestamp) -> Any:
+        """The event at its own time, in the window it came in."""
+        return WindowedValue(event, timestamp, _GLOBAL) if self._global_window else TimestampedValue(event, timestamp)
 
 
 def _time_of(timed: tuple[Timestamp, Any]) -> Timestamp:
@@ -253,7 +262,9 @@ class DeduplicateEvents(beam.PTransform):
                 keyed.keyed
                 | "CopiesPerId" >> beam.GroupByKey()
                 | "FirstCopyPerGroup"
-                >> beam.ParDo(_FirstCopyPerGroup(self._ttl)).with_outputs(_QUARANTINE, main=_UNIQUE)
+                >> beam.ParDo(
+                    _FirstCopyPerGroup(self._ttl, global_window=events.windowing.windowfn == GlobalWindows())
+                ).with_outputs(_QUARANTINE, main=_UNIQUE)
             )
         else:
             first = keyed.keyed | "FirstCopyPerId" >> beam.ParDo(_FirstCopyPerId(self._ttl)).with_outputs(

@@ -248,8 +248,12 @@ class _SampleKeys(beam.DoFn):
 
     def process(self, element: tuple[Any, Any], timestamp: Any = beam.DoFn.TimestampParam) -> Any:
         key = element[0]
-        if self._every == 1 or _stable_hash(f"{timestamp.micros}|{key!r}") % self._every == 0:
+        if _stable_hash(f"{timestamp.micros}|{key!r}") % self._every == 0:
             yield key
+
+
+def _key_of(element: tuple[Any, Any]) -> Any:
+    return element[0]
 
 
 class _StripShard(beam.DoFn):
@@ -549,7 +553,13 @@ class HotKeyAggregate(beam.PTransform):
                 pairs = pairs | "DetectionWindows" >> beam.WindowInto(detection_windows)
             hot_view = (
                 pairs
-                | "SampleKeys" >> beam.ParDo(_SampleKeys(self._detect.sample_every))
+                # Every key when not sampling: a plain Map, without the timestamp a sample needs (per-element cost).
+                | "SampleKeys"
+                >> (
+                    beam.Map(_key_of)
+                    if self._detect.sample_every == 1
+                    else beam.ParDo(_SampleKeys(self._detect.sample_every))
+                )
                 | "FrequentKeys" >> beam.CombineGlobally(_FrequentKeysFn(self._detect)).as_singleton_view()
             )
             side_inputs["detected"] = hot_view
