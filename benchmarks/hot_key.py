@@ -8,7 +8,10 @@ Prints, as ratios against the plain ``WindowInto + CombinePerKey`` baseline meas
 - end-to-end throughput (events/s) of HotKeyAggregate with configured hot keys and with detected ones.
 
 On the local runner (FnApiRunner, one worker) fanout can only cost time: there is no second worker to take the
-shards. The per-shard load is what carries over to Flink, where shards spread over parallel subtasks.
+shards. The per-shard load is what carries over to Flink, where shards spread over parallel subtasks. With
+``--window sessions`` this is a bounded batch run, where HotKeyAggregate lifts every key (partial sessions per bundle)
+instead of fanning out hot ones: "configured" and "detected" then run the same lifted path, and the per-key load
+figure describes fanout (the streaming path), not that run.
 
     .venv/bin/python -m benchmarks.hot_key --events 200000 --window sessions
 """

@@ -36,7 +36,7 @@ from transforms.attach_event_id import AttachEventId
 from transforms.commit_offsets_after import CommitOffsetsAfter
 from transforms.decode_avro import DecodeAvro
 from transforms.deduplicate import DeduplicateEvents, QuarantinedEvent
-from transforms.hot_key_aggregate import HotKeyAggregate, HotKeyDetection, WindowedAggregate
+from transforms.hot_key_aggregate import HotKeyAggregate, WindowedAggregate
 from transforms.read_from_kafka import ReadFromKafka, StartPolicy, StopPolicy
 from transforms.write_dead_letters import WriteDeadLetters, dead_letter_spec
 from transforms.write_to_iceberg import WriteToIceberg
@@ -243,9 +243,6 @@ def build_pipeline(p: beam.Pipeline, config: dict[str, Any]) -> ClicksJob:
         )
     )
 
-    detection: HotKeyDetection | None = None
-    if sessions_conf.get("detect_hot_keys") and kafka.get("bounded"):
-        detection = HotKeyDetection()
     sessions = (
         dedup.unique
         | "KeyByUser" >> beam.Map(session_input)
@@ -253,8 +250,8 @@ def build_pipeline(p: beam.Pipeline, config: dict[str, Any]) -> ClicksJob:
         >> HotKeyAggregate(
             SessionClicksFn(),
             windowfn=Sessions(int(sessions_conf.get("gap_s", 600))),
+            # A stream fans these out; a bounded batch run lifts every key (partial sessions per bundle) instead.
             hot_keys=sessions_conf.get("hot_keys") or (),
-            detect=detection,
             fanout=int(sessions_conf.get("fanout", 16)),
             allowed_lateness=int(sessions_conf.get("allowed_lateness_s", 0)),
             shard_by=lambda e: e["event_id"],

@@ -3,7 +3,8 @@
 Why not ``CombinePerKey(...).with_hot_key_fanout(n)``: Beam's fanout applies to every key (an extra shuffle of all
 data, measured 4-5x slower locally), and it is defined for non-merging windows only. Here cold keys take one plain
 ``CombinePerKey``; hot keys (configured and/or detected) are combined in two stages whose result equals the one-stage
-result for Fixed and Sessions windows (see ``tests/unit/test_hot_key_aggregate.py`` for the property tests).
+result for Fixed and Sessions windows (see ``tests/unit/test_hot_key_aggregate.py`` for the property tests). Bounded
+Sessions in a batch run need no choice of keys: every key is pre-aggregated per bundle there (lifting).
 """
 
 from __future__ import annotations
@@ -26,15 +27,15 @@ from apache_beam.transforms.trigger import AccumulationMode, AfterCount, AfterWa
 from apache_beam.transforms.userstate import ReadModifyWriteStateSpec, TimerSpec, on_timer
 from apache_beam.transforms.window import (
     FixedWindows,
+    GlobalWindow,
     GlobalWindows,
-    IntervalWindow,
     Sessions,
     TimestampCombiner,
     TimestampedValue,
     WindowFn,
 )
 from apache_beam.utils.timestamp import Duration, Timestamp
-from apache_beam.utils.windowed_value import PaneInfoTiming
+from apache_beam.utils.windowed_value import PaneInfoTiming, WindowedValue
 
 __all__ = ["METRICS_NAMESPACE", "HotKeyAggregate", "HotKeyDetection", "WindowedAggregate", "late_dropped"]
 
@@ -200,15 +201,10 @@ class _CountingCombineFn(CombineFn):
 class _RouteByHotness(beam.DoFn):
     """Cold keys pass as (key, value); hot keys go to the ``hot`` output as ((key, shard), value)."""
 
-    def __init__(
-        self, hot_keys: frozenset[Any], fanout: int, shard_by: Callable[[Any], Any] | None, with_time: bool = False
-    ) -> None:
+    def __init__(self, hot_keys: frozenset[Any], fanout: int, shard_by: Callable[[Any], Any] | None) -> None:
         self._hot_keys = hot_keys
         self._fanout = fanout
         self._shard_by = shard_by
-        # The grouped (bounded Sessions) path: values leave as (event time in int micros, value), to survive its
-        # GroupByKey (ints cross the shuffle natively; a Timestamp would be pickled).
-        self._with_time = with_time
         self._next_shard: dict[Any, int] = {}
         self._inputs = Metrics.counter(METRICS_NAMESPACE, "input_elements")
         self._hot = Metrics.counter(METRICS_NAMESPACE, "hot_elements")
@@ -225,7 +221,7 @@ class _RouteByHotness(beam.DoFn):
         self._inputs.inc()
         key, value = element
         if key not in self._hot_keys and key not in detected:
-            yield (key, (timestamp.micros, value)) if self._with_time else element
+            yield element
             return
         self._hot.inc()
         if self._shard_by is not None:
@@ -239,7 +235,7 @@ class _RouteByHotness(beam.DoFn):
                 start = _stable_hash(timestamp.micros)
             shard = start % self._fanout
             self._next_shard[key] = start + 1
-        yield beam.pvalue.TaggedOutput(_HOT, ((key, shard), (timestamp.micros, value) if self._with_time else value))
+        yield beam.pvalue.TaggedOutput(_HOT, ((key, shard), value))
 
 
 class _SampleKeys(beam.DoFn):
@@ -380,21 +376,36 @@ def _span_start(span: tuple[int, int, Any]) -> int:
     return span[0]
 
 
-class _GroupedSessions(beam.DoFn):
-    """Bounded input in a batch run: the sessions of one group of inputs, computed from its grouped values.
+# Inputs a bundle of the lifted sessions path holds at most before it emits the partial sessions so far.
+MAX_BUFFERED_INPUTS = 100_000
+_GLOBAL = (GlobalWindow(),)
 
-    ``stage="direct"``: a cold key's inputs -> one ``WindowedAggregate`` row per session. ``"partial"``: one shard
-    of a hot key -> (key, (start, end, accumulator)) per partial session (times in int micros). ``"final"``: a hot
-    key's partials -> rows, merging partial sessions that overlap. The sessions are the connected components of the
-    inputs' [t, t + gap) windows, as ``Sessions`` merges them; each emits the one pane a batch run of the windowed
-    ``CombinePerKey`` emits (index 0, first, on time, not marked last), at the window's end, in the global window
-    (where the pane ledger would leave it).
+
+def _partial_sessions(fn: _CountingCombineFn, gap: int, timed: list[tuple[int, Any]]) -> list[tuple[int, int, Any]]:
+    """(start, end, accumulator) of each session formed by ``timed`` (event time in int micros, value) alone."""
+    sessions = []
+    for start, end, values in _merge_spans([(t, t + gap, value) for t, value in timed]):
+        accumulator = fn.create_accumulator()
+        for value in values:
+            accumulator = fn.add_input(accumulator, value)
+        sessions.append((start, end, accumulator))
+    return sessions
+
+
+class _PartialSessionsPerBundle(beam.DoFn):
+    """Bounded Sessions, stage 1 (combiner lifting): each key's partial sessions among the inputs of one bundle.
+
+    Only (key, (start, end, accumulator)) crosses the shuffle, not every input, so a skewed key costs the shuffle
+    a few partials per bundle: what fanout achieves on a stream, without choosing hot keys first. A bundle holds at
+    most ``MAX_BUFFERED_INPUTS`` inputs; then the partials so far are emitted and buffering starts again (the merge
+    joins partials of one session whatever bundle or flush they came from). Times are int micros until rows are
+    made: Timestamp arithmetic costs per input.
     """
 
-    def __init__(self, combine_fn: CombineFn, gap: Duration, stage: str) -> None:
+    def __init__(self, combine_fn: CombineFn, gap: Duration) -> None:
         self._fn = _CountingCombineFn(combine_fn, "direct")
-        self._gap = gap
-        self._stage = stage
+        self._gap = gap.micros
+        self._inputs = Metrics.counter(METRICS_NAMESPACE, "input_elements")
 
     def setup(self) -> None:
         self._fn.setup()
@@ -402,35 +413,58 @@ class _GroupedSessions(beam.DoFn):
     def teardown(self) -> None:
         self._fn.teardown()
 
-    def process(self, element: tuple[Any, Iterable[Any]]) -> Any:
-        group, grouped = element
-        if self._stage == "final":
-            sessions = [
-                (start, end, self._fn.merge_accumulators(partials))
-                for start, end, partials in _merge_spans(list(grouped))
-            ]
-            yield from self._rows(group, sessions)
-            return
-        # Times stay int micros until a row is made: Timestamp arithmetic and comparisons cost per input.
-        gap = self._gap.micros
-        spans = [(t, t + gap, value) for t, value in grouped]
-        accumulated = []
-        for start, end, values in _merge_spans(spans):
-            accumulator = self._fn.create_accumulator()
-            for value in values:
-                accumulator = self._fn.add_input(accumulator, value)
-            accumulated.append((start, end, accumulator))
-        if self._stage == "direct":
-            yield from self._rows(group, accumulated)
-            return
-        key, _shard = group
-        for start, end, accumulator in accumulated:
-            yield key, (start, end, accumulator)
+    def start_bundle(self) -> None:
+        self._buffer: dict[Any, list[tuple[int, Any]]] = {}
+        self._buffered = 0
 
-    def _rows(self, key: Any, sessions: list[tuple[int, int, Any]]) -> Any:
-        for start_micros, end_micros, accumulator in sessions:
+    def process(self, element: tuple[Any, Any], timestamp: Any = beam.DoFn.TimestampParam) -> Any:
+        key, value = element
+        timed = self._buffer.get(key)
+        if timed is None:
+            timed = self._buffer[key] = []
+        # Millisecond precision: the runners' coders carry timestamps and windows in millis, so a session formed
+        # after any shuffle has millisecond bounds (and so do the windowed path's).
+        timed.append((timestamp.micros // 1000 * 1000, value))
+        self._buffered += 1
+        if self._buffered >= MAX_BUFFERED_INPUTS:
+            yield from self._flush()
+
+    def finish_bundle(self) -> Any:
+        yield from self._flush()
+
+    def _flush(self) -> Any:
+        buffer, self._buffer = self._buffer, {}
+        self._inputs.inc(self._buffered)
+        self._buffered = 0
+        for key, timed in buffer.items():
+            for start, end, accumulator in _partial_sessions(self._fn, self._gap, timed):
+                # Whole windowed values: finish_bundle outputs need one, and the merge groups in the global window.
+                yield WindowedValue((key, (start, end, accumulator)), Timestamp(micros=start), _GLOBAL)
+
+
+class _MergePartialSessions(beam.DoFn):
+    """Bounded Sessions, stage 2: one key's partial sessions -> one ``WindowedAggregate`` row per session.
+
+    Partials that overlap are merged as ``Sessions`` merges windows, so the sessions are the connected components
+    of the inputs' [t, t + gap) windows. Each row is the one pane a batch run of the windowed ``CombinePerKey``
+    emits (index 0, first, on time, not marked last), at the window's end, in the global window (where the pane
+    ledger would leave it).
+    """
+
+    def __init__(self, combine_fn: CombineFn) -> None:
+        self._fn = _CountingCombineFn(combine_fn, "direct")
+
+    def setup(self) -> None:
+        self._fn.setup()
+
+    def teardown(self) -> None:
+        self._fn.teardown()
+
+    def process(self, element: tuple[Any, Iterable[tuple[int, int, Any]]]) -> Any:
+        key, partials = element
+        for start_micros, end_micros, accumulators in _merge_spans(list(partials)):
+            value, count = self._fn.extract_output(self._fn.merge_accumulators(accumulators))
             start, end = Timestamp(micros=start_micros), Timestamp(micros=end_micros)
-            value, count = self._fn.extract_output(accumulator)
             yield TimestampedValue(
                 WindowedAggregate(
                     key=key,
@@ -443,7 +477,9 @@ class _GroupedSessions(beam.DoFn):
                     is_last=False,
                     timing="ON_TIME",
                 ),
-                IntervalWindow(start, end).max_timestamp(),
+                # The window's last timestamp as the runners' coders carry it (millis): what the windowed path's
+                # rows have after their shuffles, and Java's IntervalWindow.maxTimestamp().
+                Timestamp(micros=(end_micros - 1) // 1000 * 1000),
             )
 
 
@@ -486,13 +522,16 @@ class HotKeyAggregate(beam.PTransform):
     checkpoints) each pane is emitted once; replays give the same rows, so a versioned upsert sink is exactly-once.
 
     Bounded Sessions in a batch run (``pairs.is_bounded``, not ``--streaming``): no input can be late there (the
-    watermark passes the windows only once all input is in), so each session fires exactly one pane. The same rows
-    are then computed without the merging-window trigger machinery and without the stateful pane ledger: cold keys
-    by one ``GroupByKey`` per key, hot keys by one per (key, shard) and one per key for the partial sessions; each
-    group's inputs are sorted by time and split into sessions as ``Sessions`` merges them. Same keys, windows,
-    values, counts, pane fields and timestamps as the windowed path gives in a batch run
-    (``tests/unit/test_hot_key_aggregate.py`` compares the two), several times cheaper on FnApiRunner. Streaming
-    runs (where late panes happen) and ``FixedWindows`` keep the windowed path.
+    watermark passes the windows only once all input is in), so each session fires exactly one pane, and the
+    aggregation is lifted instead of fanned out: each bundle turns its inputs into partial sessions per key
+    (combiner lifting, as Beam does for combines in non-merging windows), one ``GroupByKey`` brings a key's partials
+    together, and overlapping partials merge as ``Sessions`` merges windows. Only partials cross the shuffle, so a
+    skewed key costs a few elements per bundle instead of all its inputs: every key gets what fanout gives a hot
+    one, without choosing hot keys (``hot_keys``, ``detect`` and ``fanout`` are not used on this path, and
+    ``hot_elements`` is not counted). No merging-window trigger machinery and no pane ledger either. Same keys,
+    windows, values, counts, pane fields and timestamps as the windowed path (``tests/unit/test_hot_key_aggregate.py``
+    compares the two, with partials flushed after every input too). Streaming runs (where late panes happen) and
+    ``FixedWindows`` keep the windowed path with fanout.
 
     Needs: the windowing given here (not upstream triggers); a keyed stateful step over result rows (the pane
     ledger, one shuffle of rows, not of events), except on the bounded Sessions path.
@@ -538,6 +577,8 @@ class HotKeyAggregate(beam.PTransform):
         )
 
     def expand(self, pairs: beam.PCollection) -> beam.PCollection:
+        if isinstance(self._windowfn, Sessions) and _batch_bounded(pairs):
+            return self._lifted_sessions(pairs, self._windowfn.gap_size)
         side_inputs: dict[str, Any] = {}
         if self._detect is not None:
             if isinstance(self._windowfn, Sessions):
@@ -563,13 +604,9 @@ class HotKeyAggregate(beam.PTransform):
                 | "FrequentKeys" >> beam.CombineGlobally(_FrequentKeysFn(self._detect)).as_singleton_view()
             )
             side_inputs["detected"] = hot_view
-        grouped = isinstance(self._windowfn, Sessions) and _batch_bounded(pairs)
         routed = pairs | "RouteByHotness" >> beam.ParDo(
-            _RouteByHotness(self._hot_keys, self._fanout, self._shard_by, with_time=grouped), **side_inputs
+            _RouteByHotness(self._hot_keys, self._fanout, self._shard_by), **side_inputs
         ).with_outputs(_HOT, main="cold")
-        if grouped:
-            assert isinstance(self._windowfn, Sessions)
-            return self._grouped_sessions(routed, self._windowfn.gap_size, pairs.windowing.is_default())
 
         cold = (
             routed.cold
@@ -593,28 +630,20 @@ class HotKeyAggregate(beam.PTransform):
             | "PaneLedger" >> beam.ParDo(_PaneLedger(self._lateness))
         )
 
-    def _grouped_sessions(self, routed: Any, gap: Duration, global_windows: bool) -> beam.PCollection:
-        cold, hot = routed.cold, routed[_HOT]
-        if not global_windows:  # the groupings need every input of a key in one (global) window
-            cold = cold | "ColdGlobal" >> beam.WindowInto(GlobalWindows())
-            hot = hot | "HotGlobal" >> beam.WindowInto(GlobalWindows())
-        cold = (
-            cold
-            | "GroupCold" >> beam.GroupByKey()
-            | "ColdSessions" >> beam.ParDo(_GroupedSessions(self._combine_fn, gap, "direct"))
+    def _lifted_sessions(self, pairs: beam.PCollection, gap: Duration) -> beam.PCollection:
+        if not pairs.windowing.is_default():  # the merge needs every partial of a key in one (global) window
+            pairs = pairs | "SessionInputsGlobal" >> beam.WindowInto(GlobalWindows())
+        return (
+            pairs
+            | "PartialSessions" >> beam.ParDo(_PartialSessionsPerBundle(self._combine_fn, gap))
+            | "PartialsPerKey" >> beam.GroupByKey()
+            | "MergePartials" >> beam.ParDo(_MergePartialSessions(self._combine_fn))
+            | "CountAggregated" >> beam.ParDo(_CountAggregated())
         )
-        hot = (
-            hot
-            | "GroupShards" >> beam.GroupByKey()
-            | "ShardSessions" >> beam.ParDo(_GroupedSessions(self._combine_fn, gap, "partial"))
-            | "GroupPartials" >> beam.GroupByKey()
-            | "MergeShardSessions" >> beam.ParDo(_GroupedSessions(self._combine_fn, gap, "final"))
-        )
-        return (cold, hot) | "Union" >> beam.Flatten() | "CountAggregated" >> beam.ParDo(_CountAggregated())
 
 
 class _CountAggregated(beam.DoFn):
-    """The grouped path's stand-in for the pane ledger's counter: one pane per session, so every input counts once."""
+    """The lifted path's stand-in for the pane ledger's counter: one pane per session, so every input counts once."""
 
     def __init__(self) -> None:
         self._aggregated = Metrics.counter(METRICS_NAMESPACE, "aggregated_elements")

@@ -79,7 +79,7 @@ def drill_config(
         sink_id=f"drill-{run}".replace("_", "-"),
     )
     # Sessions close 20 s of event time after a user's last click, so they are written while the drill runs.
-    config["sessions"].update(detect_hot_keys=False, gap_s=20)
+    config["sessions"].update(gap_s=20)
     config["_rest_url"] = flink.info["rest_url"]  # for the drills only; the job ignores unknown top-level keys
     config["flink"].update(
         job_endpoint=flink.info["job_endpoint"],

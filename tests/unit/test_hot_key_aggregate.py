@@ -28,7 +28,9 @@ from hypothesis import strategies as st
 from beamflow.aggregates import SessionClicks, SessionClicksFn
 from runners.direct import local_options
 from tests.collected import collect, collected
+from transforms import hot_key_aggregate
 from transforms.hot_key_aggregate import (
+    MAX_BUFFERED_INPUTS,
     METRICS_NAMESPACE,
     HotKeyAggregate,
     HotKeyDetection,
@@ -119,8 +121,12 @@ def test_skewed_stream_equals_combine_per_key(windowfn: WindowFn) -> None:
     assert got == want
     assert len(got) > 100
     assert counters["input_elements"] == counters["aggregated_elements"] == len(events)
-    # The heavy hitters were found and took the fanout path.
-    assert counters["hot_elements"] >= hot_events
+    if isinstance(windowfn, FixedWindows):
+        # The heavy hitters were found and took the fanout path.
+        assert counters["hot_elements"] >= hot_events
+    else:
+        # Bounded sessions in a batch run are lifted for every key (partial sessions per bundle): nothing is routed.
+        assert "hot_elements" not in counters
 
 
 def _two_shard_ids(fanout: int) -> Callable[[int], str]:
@@ -462,11 +468,18 @@ def _rows_with_time(
     return sorted(collected(got), key=repr), counters, labels
 
 
-@pytest.mark.parametrize("lateness", [0, 1800])
-def test_bounded_sessions_grouped_path_equals_windowed_path(lateness: int) -> None:
-    # Batch run (grouped path: GroupByKey per key / shard, no trigger machinery, no pane ledger) against the same
-    # job with --streaming (the windowed path with the stateful pane ledger): the same rows, field for field
-    # (pane index, first/last, timing, supersedes) and timestamp, and every input counted as aggregated.
+@pytest.mark.parametrize(
+    ("lateness", "max_buffered"), [(0, MAX_BUFFERED_INPUTS), (1800, MAX_BUFFERED_INPUTS), (0, 1), (1800, 7)]
+)
+def test_bounded_sessions_lifted_path_equals_windowed_path(
+    lateness: int, max_buffered: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Batch run (lifted path: partial sessions per bundle, one GroupByKey of partials per key, no trigger machinery,
+    # no pane ledger) against the same job with --streaming (the windowed path with fanout and the stateful pane
+    # ledger): the same rows, field for field (pane index, first/last, timing, supersedes) and timestamp, and every
+    # input counted as aggregated. A small buffer makes the lifted path emit partials every few inputs (1: every
+    # input alone), so the merge has to join sessions from many partials.
+    monkeypatch.setattr(hot_key_aggregate, "MAX_BUFFERED_INPUTS", max_buffered)
     events = skewed_clicks(n=1500, users=120, hot_users=2, hot_share=0.25, span=3 * 3600, seed=3)
     # Exactly one gap apart (separate sessions in Beam) and a chain of events that bridges partial sessions.
     events += [click("u0", t, event_id=f"edge{t}") for t in (20_000, 20_600, 21_100, 21_650)]
@@ -479,12 +492,12 @@ def test_bounded_sessions_grouped_path_equals_windowed_path(lateness: int) -> No
     }
     grouped, grouped_counters, grouped_labels = _rows_with_time(events, streaming=False, **args)
     windowed, windowed_counters, windowed_labels = _rows_with_time(events, streaming=True, **args)
-    assert "GroupCold" in grouped_labels and "PaneLedger" not in grouped_labels
-    assert "PaneLedger" in windowed_labels and "GroupCold" not in windowed_labels
+    assert "PartialSessions" in grouped_labels and "PaneLedger" not in grouped_labels
+    assert "PaneLedger" in windowed_labels and "PartialSessions" not in windowed_labels
     assert grouped == windowed
     assert len(grouped) > 100
     for counters in (grouped_counters, windowed_counters):
         assert counters["input_elements"] == counters["aggregated_elements"] == len(events)
-        assert counters["hot_elements"] > 0.2 * len(events)
+    assert windowed_counters["hot_elements"] > 0.2 * len(events)
     edge = [(r.window_start.micros // 10**6, r.window_end.micros // 10**6) for r, _ in grouped if r.key == "u0"]
     assert (20_000, 20_600) in edge and (20_600, 22_250) in edge
