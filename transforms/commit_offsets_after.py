@@ -15,7 +15,9 @@ from typing import Any
 import apache_beam as beam
 from apache_beam.metrics import Metrics
 from apache_beam.options.pipeline_options import StandardOptions
-from apache_beam.transforms.window import GlobalWindows
+from apache_beam.transforms.window import GlobalWindow, GlobalWindows
+from apache_beam.utils.timestamp import MIN_TIMESTAMP
+from apache_beam.utils.windowed_value import WindowedValue
 
 from beamflow.kafka.client import open_consumer
 from beamflow.kafka.commits import ForwardOnlyCommitter
@@ -24,8 +26,23 @@ from beamflow.kafka.record import KafkaRecord, TopicPartition
 __all__ = ["CommitOffsetsAfter"]
 
 
-def _position(record: KafkaRecord) -> tuple[tuple[str, int], int]:
-    return (record.topic, record.partition), record.offset
+class _HighestPerBundle(beam.DoFn):
+    """((topic, partition), highest offset) of each partition in a bundle: one output per partition, not per record.
+
+    In the global window, whatever windows the records came in: the commit waits for every record of the read.
+    """
+
+    def start_bundle(self) -> None:
+        self._highest: dict[tuple[str, int], int] = {}
+
+    def process(self, record: KafkaRecord) -> None:
+        partition = (record.topic, record.partition)
+        if record.offset > self._highest.get(partition, -1):
+            self._highest[partition] = record.offset
+
+    def finish_bundle(self) -> Iterator[WindowedValue]:
+        for partition, offset in self._highest.items():
+            yield WindowedValue((partition, offset), MIN_TIMESTAMP, (GlobalWindow(),))
 
 
 def _nothing(_: Any) -> tuple[()]:
@@ -93,7 +110,9 @@ class CommitOffsetsAfter(beam.PTransform):
                 "CommitOffsetsAfter needs a batch pipeline (not --streaming); streaming reads commit on finalization"
             )
         positions = (
-            records | "Positions" >> beam.Map(_position) | "HighestPerPartition" >> beam.CombinePerKey(max)  # type: ignore[arg-type]
+            records
+            | "HighestPerBundle" >> beam.ParDo(_HighestPerBundle())
+            | "HighestPerPartition" >> beam.CombinePerKey(max)  # type: ignore[arg-type]
         )
         # Only each sink output's completion matters, not its elements: an empty PCollection fused into the sink's
         # last stage, in the global window whatever windows the sink's output had (session windows cannot be side
