@@ -223,22 +223,25 @@ class _CommitPerBundle(_CommitBatches):
 
     def start_bundle(self) -> None:
         self._staged: list[dict[str, Any]] = []
-        self._latest = Timestamp(0)
+        self._latest_micros = 0  # int micros: Timestamp comparisons run in Python, per row
 
     def process(  # type: ignore[override]
         self, row: dict[str, Any], timestamp: Any = beam.DoFn.TimestampParam
     ) -> Iterator[Any]:
         self._staged.append(row)
-        self._latest = max(self._latest, timestamp)
+        if timestamp.micros > self._latest_micros:
+            self._latest_micros = timestamp.micros
         if len(self._staged) >= self.max_batch_rows:
             yield from self._flush(lambda out: out)
 
     def finish_bundle(self) -> Iterator[Any]:
         # Outputs of finish_bundle need an explicit window: the global one, at the newest staged row's time.
+        latest = Timestamp(micros=self._latest_micros)
+
         def windowed(out: Any) -> Any:
             if isinstance(out, pvalue.TaggedOutput):
-                return pvalue.TaggedOutput(out.tag, WindowedValue(out.value, self._latest, (GlobalWindow(),)))
-            return WindowedValue(out, self._latest, (GlobalWindow(),))
+                return pvalue.TaggedOutput(out.tag, WindowedValue(out.value, latest, (GlobalWindow(),)))
+            return WindowedValue(out, latest, (GlobalWindow(),))
 
         yield from self._flush(windowed)
 
