@@ -11,7 +11,7 @@ from apache_beam.runners.worker import statesampler
 from apache_beam.testing.util import assert_that, equal_to
 from apache_beam.utils.counters import CounterFactory
 
-from runners.direct import LOCAL_RUNNER, SAMPLING_PERIOD_MS, local_options
+from runners.direct import GC_THRESHOLDS, LOCAL_RUNNER, SAMPLING_PERIOD_MS, local_options
 
 pytestmark = pytest.mark.unit
 
@@ -33,8 +33,10 @@ def test_bundle_samplers_wake_every_sampling_period_and_state_cache_is_off() -> 
         assert_that(p | beam.Create([1, 2, 3]) | beam.Map(lambda x: x * 2), equal_to([2, 4, 6]))
 
 
-def test_local_options_freeze_what_the_imports_left_out_of_the_collector() -> None:
+def test_local_options_freeze_what_the_imports_left_and_collect_less_often() -> None:
     gc.unfreeze()
+    gc.set_threshold(700, 10, 10)
     assert gc.get_freeze_count() == 0
     local_options()
     assert gc.get_freeze_count() > 10_000  # Beam alone leaves far more than that
+    assert gc.get_threshold() == GC_THRESHOLDS
