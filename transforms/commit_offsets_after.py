@@ -35,10 +35,11 @@ class _HighestPerBundle(beam.DoFn):
     def start_bundle(self) -> None:
         self._highest: dict[tuple[str, int], int] = {}
 
-    def process(self, record: KafkaRecord) -> None:
+    def process(self, record: KafkaRecord) -> Iterator[WindowedValue]:
         partition = (record.topic, record.partition)
         if record.offset > self._highest.get(partition, -1):
             self._highest[partition] = record.offset
+        yield from ()  # outputs come from finish_bundle; a generator keeps Beam from warning about a missing iterator
 
     def finish_bundle(self) -> Iterator[WindowedValue]:
         for partition, offset in self._highest.items():
