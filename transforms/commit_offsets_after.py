@@ -15,13 +15,14 @@ from typing import Any
 import apache_beam as beam
 from apache_beam.metrics import Metrics
 from apache_beam.options.pipeline_options import StandardOptions
-from apache_beam.transforms.window import GlobalWindow, GlobalWindows
+from apache_beam.transforms.window import GlobalWindows
 from apache_beam.utils.timestamp import MIN_TIMESTAMP
 from apache_beam.utils.windowed_value import WindowedValue
 
 from beamflow.kafka.client import open_consumer
 from beamflow.kafka.commits import ForwardOnlyCommitter
 from beamflow.kafka.record import KafkaRecord, TopicPartition
+from transforms._global_window import in_global_window
 
 __all__ = ["CommitOffsetsAfter"]
 
@@ -43,7 +44,7 @@ class _HighestPerBundle(beam.DoFn):
 
     def finish_bundle(self) -> Iterator[WindowedValue]:
         for partition, offset in self._highest.items():
-            yield WindowedValue((partition, offset), MIN_TIMESTAMP, (GlobalWindow(),))
+            yield in_global_window((partition, offset), MIN_TIMESTAMP)
 
 
 def _nothing(_: Any) -> tuple[()]:

@@ -13,16 +13,16 @@ from apache_beam.options.pipeline_options import StandardOptions
 from apache_beam.transforms.timeutil import TimeDomain
 from apache_beam.transforms.trigger import DefaultTrigger
 from apache_beam.transforms.userstate import ReadModifyWriteStateSpec, TimerSpec, on_timer
-from apache_beam.transforms.window import GlobalWindow, GlobalWindows, TimestampedValue
+from apache_beam.transforms.window import GlobalWindows, TimestampedValue
 from apache_beam.utils.timestamp import Duration, Timestamp
-from apache_beam.utils.windowed_value import WindowedValue
+
+from transforms._global_window import in_global_window
 
 __all__ = ["METRICS_NAMESPACE", "DeduplicateEvents", "DeduplicateResult", "QuarantinedEvent"]
 
 METRICS_NAMESPACE = "beamflow.deduplicate"
 
 _UNIQUE = "unique"
-_GLOBAL = (GlobalWindow(),)
 _QUARANTINE = "quarantine"
 
 
@@ -135,8 +135,7 @@ class _FirstCopyPerGroup(beam.DoFn):
 
     def __init__(self, ttl: Duration, global_window: bool = False) -> None:
         self._ttl = ttl
-        # In the global window an output can be made whole (a WindowedValue): cheaper per element than a
-        # TimestampedValue, for which the runner looks the window up again.
+        # In the global window an output can be made whole (cheaper per element than a TimestampedValue).
         self._global_window = global_window
         self._unique = Metrics.counter(METRICS_NAMESPACE, "unique")
         self._duplicates = Metrics.counter(METRICS_NAMESPACE, "duplicates")
@@ -178,7 +177,7 @@ class _FirstCopyPerGroup(beam.DoFn):
 
     def _at(self, event: Any, timestamp: Timestamp) -> Any:
         """The event at its own time, in the window it came in."""
-        return WindowedValue(event, timestamp, _GLOBAL) if self._global_window else TimestampedValue(event, timestamp)
+        return in_global_window(event, timestamp) if self._global_window else TimestampedValue(event, timestamp)
 
 
 def _time_of(timed: tuple[Timestamp, Any]) -> Timestamp:

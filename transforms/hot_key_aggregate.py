@@ -27,7 +27,6 @@ from apache_beam.transforms.trigger import AccumulationMode, AfterCount, AfterWa
 from apache_beam.transforms.userstate import ReadModifyWriteStateSpec, TimerSpec, on_timer
 from apache_beam.transforms.window import (
     FixedWindows,
-    GlobalWindow,
     GlobalWindows,
     Sessions,
     TimestampCombiner,
@@ -35,7 +34,9 @@ from apache_beam.transforms.window import (
     WindowFn,
 )
 from apache_beam.utils.timestamp import Duration, Timestamp
-from apache_beam.utils.windowed_value import PaneInfoTiming, WindowedValue
+from apache_beam.utils.windowed_value import PaneInfoTiming
+
+from transforms._global_window import in_global_window
 
 __all__ = ["METRICS_NAMESPACE", "HotKeyAggregate", "HotKeyDetection", "WindowedAggregate", "late_dropped"]
 
@@ -378,7 +379,6 @@ def _span_start(span: tuple[int, int, Any]) -> int:
 
 # Inputs a bundle of the lifted sessions path holds at most before it emits the partial sessions so far.
 MAX_BUFFERED_INPUTS = 100_000
-_GLOBAL = (GlobalWindow(),)
 
 
 def _partial_sessions(fn: _CountingCombineFn, gap: int, timed: list[tuple[int, Any]]) -> list[tuple[int, int, Any]]:
@@ -439,7 +439,7 @@ class _PartialSessionsPerBundle(beam.DoFn):
         for key, timed in buffer.items():
             for start, end, accumulator in _partial_sessions(self._fn, self._gap, timed):
                 # Whole windowed values: finish_bundle outputs need one, and the merge groups in the global window.
-                yield WindowedValue((key, (start, end, accumulator)), Timestamp(micros=start), _GLOBAL)
+                yield in_global_window((key, (start, end, accumulator)), Timestamp(micros=start))
 
 
 class _MergePartialSessions(beam.DoFn):

@@ -40,7 +40,7 @@ from apache_beam.io.restriction_trackers import OffsetRange, OffsetRestrictionTr
 from apache_beam.io.watermark_estimators import WalltimeWatermarkEstimator
 from apache_beam.metrics import Metrics
 from apache_beam.transforms.core import RestrictionProvider, WatermarkEstimatorProvider
-from apache_beam.transforms.window import GlobalWindow, TimestampedValue
+from apache_beam.transforms.window import TimestampedValue
 from apache_beam.utils.timestamp import Duration, Timestamp
 from apache_beam.utils.windowed_value import create as windowed_value
 
@@ -49,15 +49,12 @@ from beamflow.kafka.commits import DEFAULT_ROUND_GAP_S, ForwardOnlyCommitter, Ro
 from beamflow.kafka.guard import exclusive_reader
 from beamflow.kafka.record import KafkaRecord, TopicPartition
 from beamflow.kafka.watermark import PartitionWatermark
+from transforms._global_window import GLOBAL_WINDOWS
 
 __all__ = ["ReadFromKafka", "StartPolicy", "StopPolicy"]
 
 _UNBOUNDED = sys.maxsize
 _MAX_PARTITIONS = 1 << 20
-# The partitions the read processes come from its own Create + Reshuffle, so they are always in the global window;
-# emitting windowed values (value, timestamp in micros, windows) directly saves a window assignment and a Timestamp
-# object per record.
-_GLOBAL_WINDOWS = (GlobalWindow(),)
 
 
 @dataclass(frozen=True)
@@ -338,7 +335,7 @@ class _ReadPartitionFn(beam.DoFn, _PartitionRestrictions, _PartitionWatermarks):
                             self._records.inc()
                             self._bytes.inc(len(record.value or b"") + len(record.key or b""))
                             emitted += 1
-                            yield windowed_value(record, int(event_ms * 1000), _GLOBAL_WINDOWS)
+                            yield windowed_value(record, int(event_ms * 1000), GLOBAL_WINDOWS)
                     else:
                         # One claim per poll: claiming the highest offset of the batch claims the offsets below it,
                         # and every record emitted is at or below the claim, so a checkpoint taken at any point
@@ -365,7 +362,9 @@ class _ReadPartitionFn(beam.DoFn, _PartitionRestrictions, _PartitionWatermarks):
                                     wm = event_ms - delay
                                 value, key = record.value, record.key
                                 size += (len(value) if value else 0) + (len(key) if key else 0)
-                                yield windowed_value(record, event_ms * 1000, _GLOBAL_WINDOWS)
+                                # The partitions come from the read's own Create + Reshuffle, so always in the global
+                                # window; a windowed value from micros saves a window assignment and a Timestamp.
+                                yield windowed_value(record, event_ms * 1000, GLOBAL_WINDOWS)
                             # Published only now, after every record it covers was emitted.
                             watermark.watermark_ms = wm
                             watermark.last_activity_wall_ms = now

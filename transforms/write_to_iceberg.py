@@ -10,9 +10,7 @@ from typing import Any, NamedTuple
 import apache_beam as beam
 import pyarrow as pa
 from apache_beam import pvalue
-from apache_beam.transforms.window import GlobalWindow
 from apache_beam.utils.timestamp import Timestamp
-from apache_beam.utils.windowed_value import WindowedValue
 
 from beamflow.deadletter import DeadLetter, encode_payload
 from beamflow.iceberg.catalog import CatalogConfig, open_catalog
@@ -23,6 +21,7 @@ from beamflow.iceberg.committer import (
     SchemaEvolutionError,
     marks_property,
 )
+from transforms._global_window import in_global_window
 
 __all__ = ["IcebergWriteResult", "WriteToIceberg"]
 
@@ -240,8 +239,8 @@ class _CommitPerBundle(_CommitBatches):
 
         def windowed(out: Any) -> Any:
             if isinstance(out, pvalue.TaggedOutput):
-                return pvalue.TaggedOutput(out.tag, WindowedValue(out.value, latest, (GlobalWindow(),)))
-            return WindowedValue(out, latest, (GlobalWindow(),))
+                return pvalue.TaggedOutput(out.tag, in_global_window(out.value, latest))
+            return in_global_window(out, latest)
 
         yield from self._flush(windowed)
 
