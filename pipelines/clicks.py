@@ -181,12 +181,13 @@ def impression_row(event: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
-def session_input(event: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """(user_id, the fields the session aggregate and its sharding read): the whole event would cross the shuffle."""
-    return event["user_id"], {f: event[f] for f in SESSION_FIELDS}
-
-
+# What the session aggregate (SessionClicksFn) and the hot-key sharding (shard_by) read of an event.
 SESSION_FIELDS = ("event_type", "event_time", "event_id")
+
+
+def session_input(event: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(user_id, the event's SESSION_FIELDS): only those cross the sessions' shuffle, not the whole event."""
+    return event["user_id"], {f: event[f] for f in SESSION_FIELDS}
 
 
 @dataclass
