@@ -14,7 +14,6 @@ from typing import Any
 
 import apache_beam as beam
 from apache_beam.metrics import Metrics
-from apache_beam.options.pipeline_options import StandardOptions
 from apache_beam.transforms.window import GlobalWindows
 from apache_beam.utils.timestamp import MIN_TIMESTAMP
 from apache_beam.utils.windowed_value import WindowedValue
@@ -23,6 +22,7 @@ from beamflow.kafka.client import open_consumer
 from beamflow.kafka.commits import ForwardOnlyCommitter
 from beamflow.kafka.record import KafkaRecord, TopicPartition
 from transforms._global_window import in_global_window
+from transforms._run_mode import is_streaming
 
 __all__ = ["CommitOffsetsAfter"]
 
@@ -104,8 +104,7 @@ class CommitOffsetsAfter(beam.PTransform):
     def expand(self, records: beam.PCollection) -> beam.PCollection:
         if not records.is_bounded:
             raise ValueError("CommitOffsetsAfter needs a bounded read; a streaming read commits on finalization")
-        options = records.pipeline.options if records.pipeline is not None else None
-        if options is not None and options.view_as(StandardOptions).streaming:
+        if is_streaming(records):
             # Beam 2.62's Flink runner declines checkpoints of the side-input steps this needs (ClassCastException
             # in the snapshot), so a streaming job would fail over forever; its read commits on finalization instead.
             raise ValueError(

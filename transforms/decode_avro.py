@@ -35,25 +35,27 @@ def _field(element: Any, name: str, default: Any = None) -> Any:
     return getattr(element, name, default)
 
 
-def _coordinates(element: Any) -> dict[str, Any]:
+def _coordinates_and_value(element: Any) -> tuple[dict[str, Any], Any]:
     if type(element) is KafkaRecord:  # the common case, without the generic lookups below (per record)
-        return {
+        coords = {
             "topic": element.topic,
             "partition": element.partition,
             "offset": element.offset,
             "timestamp_ms": element.timestamp_ms,
             "key": element.key,
         }
+        return coords, element.value
     timestamp = _field(element, "timestamp_ms")
     if timestamp is None:
         timestamp = _field(element, "timestamp")
-    return {
+    coords = {
         "topic": _field(element, "topic"),
         "partition": _field(element, "partition"),
         "offset": _field(element, "offset"),
         "timestamp_ms": timestamp,
         "key": _field(element, "key"),
     }
+    return coords, _field(element, "value")
 
 
 class _DecodeFn(beam.DoFn):
@@ -77,8 +79,7 @@ class _DecodeFn(beam.DoFn):
 
     def process(self, element: Any) -> Iterator[Any]:
         assert self._deserializer is not None, "setup() was not called"
-        coords = _coordinates(element)
-        value = element.value if type(element) is KafkaRecord else _field(element, "value")
+        coords, value = _coordinates_and_value(element)
         try:
             if value is not None and not isinstance(value, bytes | bytearray | memoryview):
                 raise AvroDecodeError(f"value is a {type(value).__name__}, not bytes")

@@ -9,7 +9,6 @@ from typing import Any, NamedTuple
 import apache_beam as beam
 from apache_beam.coders import PickleCoder
 from apache_beam.metrics import Metrics
-from apache_beam.options.pipeline_options import StandardOptions
 from apache_beam.transforms.timeutil import TimeDomain
 from apache_beam.transforms.trigger import DefaultTrigger
 from apache_beam.transforms.userstate import ReadModifyWriteStateSpec, TimerSpec, on_timer
@@ -17,6 +16,7 @@ from apache_beam.transforms.window import GlobalWindows, TimestampedValue
 from apache_beam.utils.timestamp import Duration, Timestamp
 
 from transforms._global_window import in_global_window
+from transforms._run_mode import is_batch_bounded
 
 __all__ = ["METRICS_NAMESPACE", "DeduplicateEvents", "DeduplicateResult", "QuarantinedEvent"]
 
@@ -187,10 +187,7 @@ def _time_of(timed: tuple[Timestamp, Any]) -> Timestamp:
 def _can_group(events: beam.PCollection) -> bool:
     """Whether the grouped path gives the stateful path's result: bounded input in a batch run, windows that
     neither merge nor fire early (one pane per window, so one group holds every copy of an id in that window)."""
-    if not events.is_bounded:
-        return False
-    options = events.pipeline.options if events.pipeline is not None else None
-    if options is not None and options.view_as(StandardOptions).streaming:
+    if not is_batch_bounded(events):
         # A streaming runner fires the grouping at the end of the (global) window, after the watermark has passed
         # the events' own times: re-stamped to those times they would be late downstream.
         return False

@@ -20,7 +20,6 @@ import apache_beam as beam
 from apache_beam.coders import PickleCoder
 from apache_beam.metrics import Metrics
 from apache_beam.metrics.metric import MetricResults, MetricsFilter
-from apache_beam.options.pipeline_options import StandardOptions
 from apache_beam.transforms.core import CombineFn
 from apache_beam.transforms.timeutil import TimeDomain
 from apache_beam.transforms.trigger import AccumulationMode, AfterCount, AfterWatermark, DefaultTrigger
@@ -37,6 +36,7 @@ from apache_beam.utils.timestamp import Duration, Timestamp
 from apache_beam.utils.windowed_value import PaneInfoTiming
 
 from transforms._global_window import in_global_window
+from transforms._run_mode import is_batch_bounded
 
 __all__ = ["METRICS_NAMESPACE", "HotKeyAggregate", "HotKeyDetection", "WindowedAggregate", "late_dropped"]
 
@@ -577,7 +577,7 @@ class HotKeyAggregate(beam.PTransform):
         )
 
     def expand(self, pairs: beam.PCollection) -> beam.PCollection:
-        if isinstance(self._windowfn, Sessions) and _batch_bounded(pairs):
+        if isinstance(self._windowfn, Sessions) and is_batch_bounded(pairs):
             return self._lifted_sessions(pairs, self._windowfn.gap_size)
         side_inputs: dict[str, Any] = {}
         if self._detect is not None:
@@ -651,14 +651,6 @@ class _CountAggregated(beam.DoFn):
     def process(self, row: WindowedAggregate) -> Any:
         self._aggregated.inc(row.input_count)
         yield row
-
-
-def _batch_bounded(pcoll: beam.PCollection) -> bool:
-    """Bounded input in a batch run: the watermark moves past the input's times only once all of it was read."""
-    if not pcoll.is_bounded:
-        return False
-    options = pcoll.pipeline.options if pcoll.pipeline is not None else None
-    return not (options is not None and options.view_as(StandardOptions).streaming)
 
 
 def late_dropped(metrics: MetricResults, step: str | None = None) -> int:

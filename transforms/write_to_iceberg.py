@@ -210,7 +210,7 @@ class _CommitBatches(beam.DoFn):
 
 
 class _CommitPerBundle(_CommitBatches):
-    """Unbounded input: stages the rows of one bundle and commits them before the bundle ends.
+    """Unbounded input, and bounded input with a key column: stages a bundle's rows, commits them before it ends.
 
     Why per bundle: a runner finalizes a bundle (and ``ReadFromKafka`` commits its offsets) only after the bundle's
     work is durable. Rows kept in state past the bundle (``GroupIntoBatches``) would let the group's committed
