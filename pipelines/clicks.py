@@ -9,8 +9,11 @@
 Stages: ReadFromKafka (offsets committed on finalize when streaming; after the sinks when bounded) -> DecodeAvro
 through the registry (dead letters aside) -> AttachEventId from the event's identifying fields -> DeduplicateEvents
 (duplicates to a quarantine table) -> two branches: raw impressions into the exactly-once Iceberg sink, and 10-minute
-session windows per user_id with hot-key aggregation into the versioned PostgreSQL upsert sink (late panes replace
-earlier results). Every rejected input of every stage ends in the dead-letter table with its reason.
+session windows per user_id with hot-key aggregation into the PostgreSQL sessions store (``WriteSessions``: each row
+merged with the stored sessions it touches, in one transaction, each event counted once by its Kafka coordinates, so
+run boundaries, reruns after crashes, restores and late panes all leave the sessions one run over every event would).
+Every rejected input of every stage ends in the dead-letter table with its reason. A bounded run commits every
+partition's offsets in one request after all sinks (``CommitOffsetsAfter``): a run is committed whole or not at all.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import argparse
 import datetime as dt
 import logging
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +34,7 @@ from beamflow.aggregates import SessionClicksFn
 from beamflow.config import load_config, resolve_auto
 from beamflow.generate import EVENT_ID_FIELDS, load_click_schema
 from beamflow.iceberg.catalog import CatalogConfig
+from beamflow.postgres.sessions import sessions_spec as _sessions_table_spec
 from beamflow.postgres.table import TableSpec
 from transforms.attach_event_id import AttachEventId
 from transforms.commit_offsets_after import CommitOffsetsAfter
@@ -39,6 +43,7 @@ from transforms.deduplicate import DeduplicateEvents, QuarantinedEvent
 from transforms.hot_key_aggregate import HotKeyAggregate, WindowedAggregate
 from transforms.read_from_kafka import ReadFromKafka, StartPolicy, StopPolicy
 from transforms.write_dead_letters import WriteDeadLetters, dead_letter_spec
+from transforms.write_sessions import WriteSessions
 from transforms.write_to_iceberg import WriteToIceberg
 from transforms.write_to_postgres import WriteToPostgres
 
@@ -49,25 +54,8 @@ DEFAULT_CONF = "conf/clicks.yaml"
 
 
 def sessions_spec(table: str) -> TableSpec:
-    return TableSpec(
-        table,
-        key=("user_id", "session_start"),
-        # A late event can merge sessions; Beam restarts the pane index of the merged window at 0, but the merged
-        # session always covers more events than any part it replaces, so (events, pane_index) only grows.
-        version=("events", "pane_index"),
-        columns={
-            "user_id": "text NOT NULL",
-            "session_start": "timestamptz NOT NULL",
-            "session_end": "timestamptz NOT NULL",
-            "impressions": "bigint NOT NULL",
-            "clicks": "bigint NOT NULL",
-            "first_event": "timestamptz",
-            "last_event": "timestamptz",
-            "events": "bigint NOT NULL",
-            "pane_index": "bigint NOT NULL",
-            "is_final": "boolean NOT NULL",
-        },
-    )
+    """The sessions table (``beamflow.postgres.sessions``): the session columns plus the Kafka offsets counted."""
+    return _sessions_table_spec(table)
 
 
 SESSIONS_SPEC = sessions_spec("click_sessions")
@@ -119,6 +107,8 @@ def session_row(agg: WindowedAggregate) -> dict[str, Any]:
         "events": agg.input_count,
         "pane_index": agg.pane_index,
         "is_final": agg.is_last,
+        "impression_offsets": clicks.impression_offsets.encode(),
+        "click_offsets": clicks.click_offsets.encode(),
     }
 
 
@@ -131,47 +121,6 @@ def click_event(decoded: dict[str, Any]) -> dict[str, Any]:
     return event
 
 
-class _DeleteSupersededSessions(beam.DoFn):
-    """Removes session rows that a late event merged into a wider session (their start differs from the new one's).
-
-    A superseded window with the same start is the same row and is replaced by the upsert itself.
-    """
-
-    def __init__(self, dsn: str, table: str) -> None:
-        self._dsn = dsn
-        self._table = table
-
-    def setup(self) -> None:
-        from beamflow.postgres.writer import open_pool
-
-        self._pool = open_pool(self._dsn)
-
-    def teardown(self) -> None:
-        self._pool.close()
-
-    def process(self, agg: WindowedAggregate) -> Iterator[None]:
-        from psycopg import sql
-
-        stale = [(s, e) for s, e in agg.supersedes if s != agg.window_start]
-        if not stale:
-            return
-        statement = sql.SQL(
-            "DELETE FROM {} WHERE user_id = %s AND session_start = %s AND session_end = %s AND events < %s"
-        ).format(sql.Identifier(self._table))
-        with self._pool.connection() as conn:
-            for start, end in stale:
-                conn.execute(
-                    statement,
-                    (
-                        agg.key,
-                        start.to_utc_datetime(has_tz=True),
-                        end.to_utc_datetime(has_tz=True),
-                        agg.input_count,
-                    ),
-                )
-        yield from ()  # outputs nothing; a generator keeps Beam from warning about a missing iterator
-
-
 def impression_row(event: dict[str, Any]) -> dict[str, Any]:
     """The Iceberg row: the event's fields, its id, its Kafka coordinates and event time as a timestamp."""
     kafka = event["_kafka"]
@@ -181,13 +130,21 @@ def impression_row(event: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
-# What the session aggregate (SessionClicksFn) and the hot-key sharding (shard_by) read of an event.
-SESSION_FIELDS = ("event_type", "event_time", "event_id")
+# What the session aggregate (SessionClicksFn) and the hot-key sharding (shard_by) read of an event: its type, time
+# and id, and its Kafka coordinates (the sessions store counts each event once by them, across runs).
+SESSION_FIELDS = ("event_type", "event_time", "event_id", "kafka_partition", "kafka_offset")
 
 
 def session_input(event: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """(user_id, the event's SESSION_FIELDS): only those cross the sessions' shuffle, not the whole event."""
-    return event["user_id"], {f: event[f] for f in SESSION_FIELDS}
+    kafka = event["_kafka"]
+    return event["user_id"], {
+        "event_type": event["event_type"],
+        "event_time": event["event_time"],
+        "event_id": event["event_id"],
+        "kafka_partition": kafka["partition"],
+        "kafka_offset": kafka["offset"],
+    }
 
 
 @dataclass
@@ -258,13 +215,11 @@ def build_pipeline(p: beam.Pipeline, config: dict[str, Any]) -> ClicksJob:
             shard_by=lambda e: e["event_id"],
         )
     )
-    session_dead = (
+    # Merged with the stored sessions they touch (superseded windows, earlier runs, replays) in one transaction.
+    sessions_written = (
         sessions
         | "ToSessionRows" >> beam.Map(session_row)
-        | "WriteSessions" >> WriteToPostgres(pg["dsn"], sessions_spec(pg["sessions_table"]), create=True)
-    )
-    superseded = sessions | "DeleteSupersededSessions" >> beam.ParDo(
-        _DeleteSupersededSessions(pg["dsn"], pg["sessions_table"])
+        | "WriteSessions" >> WriteSessions(pg["dsn"], pg["sessions_table"])
     )
     quarantine = dedup.quarantine | "ToQuarantineRows" >> beam.Map(quarantine_row)
     quarantine_dead = quarantine | "WriteQuarantine" >> WriteToPostgres(
@@ -273,7 +228,6 @@ def build_pipeline(p: beam.Pipeline, config: dict[str, Any]) -> ClicksJob:
     dead_letters = (
         decoded.dead_letters,
         iceberg.dead_letter,
-        session_dead,
         quarantine_dead,
     ) | "AllDeadLetters" >> beam.Flatten()
     dlq_conf = config.get("dead_letters") or {}
@@ -285,11 +239,11 @@ def build_pipeline(p: beam.Pipeline, config: dict[str, Any]) -> ClicksJob:
         dlq = WriteDeadLetters("postgres", dsn=pg["dsn"], table=pg["dead_letters_table"])
     dead_letters_written = dead_letters | "WriteDeadLetters" >> dlq
     if bounded:
-        # Every sink's last step: the quarantine and session writes end in dead letters, which end in the DLQ.
+        # Every sink's last step: the quarantine writes end in dead letters, which end in the DLQ.
         records | "CommitOffsetsAfterSinks" >> CommitOffsetsAfter(
             kafka["bootstrap"],
             kafka["group_id"],
-            after=[iceberg.commits, superseded, dead_letters_written],
+            after=[iceberg.commits, sessions_written, dead_letters_written],
             backend=kafka.get("backend", "confluent"),
         )
     return ClicksJob(records, dedup.unique, dead_letters, dedup.quarantine, sessions)
@@ -310,6 +264,12 @@ def pipeline_options(runner: str, beam_args: Sequence[str], config: dict[str, An
         return flink_options(config.get("flink", {}), beam_args)
     if runner not in ("DirectRunner", "FnApiRunner"):
         raise SystemExit(f"unknown --runner {runner}: use DirectRunner or FlinkRunner")
+    if not config.get("kafka", {}).get("bounded", False):
+        # FnApiRunner runs stage after stage: the read of a stream never finishes, so nothing after it ever runs.
+        raise SystemExit(
+            "kafka.bounded=false needs a streaming runner: the local runner (FnApiRunner) runs stage after stage "
+            "and would write nothing; use --runner=FlinkRunner, or Prism (runners/prism.py), to stream"
+        )
     from runners.direct import local_options
 
     return local_options(beam_args)

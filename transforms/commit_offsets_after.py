@@ -5,11 +5,15 @@ pinned local runner (FnApiRunner) runs stage after stage, so a bounded read's fi
 before the sinks' stages even start; a crash in a sink stage would then leave the group past records no sink holds,
 and a rerun would skip them. This transform commits after the sinks instead: each sink's output PCollection becomes
 a side input of the commit, and a runner computes a side input completely before the step that reads it.
+
+The commit is one request for every partition read (the highest offsets gathered into one element first), so a crash
+or failure at commit time leaves the group either where it was for every partition or past the whole run: never
+some partitions committed and others not, which a rerun would read as a run cut in two.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import apache_beam as beam
@@ -51,6 +55,30 @@ def _nothing(_: Any) -> tuple[()]:
     return ()
 
 
+class _HighestOffsets(beam.CombineFn):
+    """((topic, partition), offset) pairs -> {(topic, partition): highest offset}: every partition in one element."""
+
+    def create_accumulator(self) -> dict[tuple[str, int], int]:
+        return {}
+
+    def add_input(self, highest: dict[tuple[str, int], int], position: tuple[tuple[str, int], int]) -> Any:
+        partition, offset = position
+        if offset > highest.get(partition, -1):
+            highest[partition] = offset
+        return highest
+
+    def merge_accumulators(self, accumulators: Iterable[dict[tuple[str, int], int]]) -> dict[tuple[str, int], int]:
+        merged: dict[tuple[str, int], int] = {}
+        for highest in accumulators:
+            for partition, offset in highest.items():
+                if offset > merged.get(partition, -1):
+                    merged[partition] = offset
+        return merged
+
+    def extract_output(self, highest: dict[tuple[str, int], int]) -> dict[tuple[str, int], int]:
+        return highest
+
+
 class _CommitFn(beam.DoFn):
     def __init__(self, bootstrap: str, group_id: str, backend: str) -> None:
         self._bootstrap = bootstrap
@@ -65,10 +93,11 @@ class _CommitFn(beam.DoFn):
     def teardown(self) -> None:
         self._consumer.close()
 
-    def process(self, position: tuple[tuple[str, int], int], *sinks_done: Iterable[int]) -> Iterator[None]:
-        (topic, partition), last_offset = position
-        if self._committer.commit(TopicPartition(topic, partition), last_offset + 1):
-            Metrics.gauge("beamflow.kafka", f"committed_offset.{topic}-{partition}").set(last_offset + 1)
+    def process(self, highest: Mapping[tuple[str, int], int], *sinks_done: Iterable[int]) -> Iterator[None]:
+        # One request for every partition of the run: all of them committed, or none.
+        committed = self._committer.commit_all({TopicPartition(t, p): last + 1 for (t, p), last in highest.items()})
+        for tp, offset in committed.items():
+            Metrics.gauge("beamflow.kafka", f"committed_offset.{tp.topic}-{tp.partition}").set(offset)
         yield from ()  # outputs nothing; a generator keeps Beam from warning about a missing iterator
 
 
@@ -76,7 +105,9 @@ class CommitOffsetsAfter(beam.PTransform):
     """Commits the highest offset read per partition (+1) to the group, after every PCollection in ``after``.
 
     Guarantee: the group's committed offsets never run ahead of what the sinks hold, on any runner, for bounded
-    reads: the commit step reads each of ``after`` as a side input, so it runs only when those are complete. Pass
+    reads: the commit step reads each of ``after`` as a side input, so it runs only when those are complete. All
+    partitions are committed in one request (``ForwardOnlyCommitter.commit_all``): a run is committed whole or not at
+    all. Pass
     the outputs of the last step of every sink (their dead-letter or commit outputs; an empty PCollection still
     counts as complete). Commits only forward. Read with ``ReadFromKafka(..., commit_offsets=False)`` so the read's
     own finalizers do not commit earlier.
@@ -113,7 +144,8 @@ class CommitOffsetsAfter(beam.PTransform):
         positions = (
             records
             | "HighestPerBundle" >> beam.ParDo(_HighestPerBundle())
-            | "HighestPerPartition" >> beam.CombinePerKey(max)  # type: ignore[arg-type]
+            # Every partition's highest offset in ONE element, so the commit is one request for the whole run.
+            | "HighestPerPartition" >> beam.CombineGlobally(_HighestOffsets())
         )
         # Only each sink output's completion matters, not its elements: an empty PCollection fused into the sink's
         # last stage, in the global window whatever windows the sink's output had (session windows cannot be side

@@ -126,11 +126,11 @@ class _FirstCopyPerId(beam.DoFn):
 class _FirstCopyPerGroup(beam.DoFn):
     """Bounded input: all copies of one id arrive together (GroupByKey); no state, no timers.
 
-    The copies are taken in event-time order (ties in the order the runner delivers them) and the id's TTL is
-    applied as the stateful path applies it when the watermark follows event time: a copy within ``ttl`` of the
-    kept copy is quarantined; a copy at or past ``kept + ttl`` arrives after the id's state would have expired, so it
-    is kept and starts a new TTL. Every copy leaves with its own event time (the grouping's output timestamp, the
-    end of the window, is not used), in the window it came in.
+    The copies are taken in event-time order (ties: lowest Kafka coordinates when the events carry them, else
+    delivery order) and the id's TTL is applied as the stateful path applies it when the watermark follows event
+    time: a copy within ``ttl`` of the kept copy is quarantined; a copy at or past ``kept + ttl`` arrives after the
+    id's state would have expired, so it is kept and starts a new TTL. Every copy leaves with its own event time (the
+    grouping's output timestamp, the end of the window, is not used), in the window it came in.
     """
 
     def __init__(self, ttl: Duration, global_window: bool = False) -> None:
@@ -148,7 +148,9 @@ class _FirstCopyPerGroup(beam.DoFn):
             timestamp, event = copies[0]
             yield self._at(event, timestamp)
             return
-        copies.sort(key=_time_of)  # stable: equal event times keep the delivery order
+        # Equal event times: the lowest Kafka coordinates first when the events carry them (``_kafka``), so a rerun
+        # keeps the same copy (downstream sinks that count events by coordinate rely on it); else delivery order.
+        copies.sort(key=_time_then_coordinates)
         kept: Timestamp | None = None
         unique = duplicates = 0
         for timestamp, event in copies:
@@ -180,8 +182,12 @@ class _FirstCopyPerGroup(beam.DoFn):
         return in_global_window(event, timestamp) if self._global_window else TimestampedValue(event, timestamp)
 
 
-def _time_of(timed: tuple[Timestamp, Any]) -> Timestamp:
-    return timed[0]
+def _time_then_coordinates(timed: tuple[Timestamp, Any]) -> tuple[Timestamp, int, int]:
+    timestamp, event = timed
+    kafka = event.get("_kafka") if isinstance(event, Mapping) else None
+    if isinstance(kafka, Mapping):
+        return timestamp, int(kafka.get("partition", -1)), int(kafka.get("offset", -1))
+    return timestamp, -1, -1
 
 
 def _can_group(events: beam.PCollection) -> bool:
@@ -216,9 +222,10 @@ class DeduplicateEvents(beam.PTransform):
     Bounded input in a batch run (``pcoll.is_bounded`` and not ``--streaming``, windows that do not merge and the
     default trigger): the same guarantee with one ``GroupByKey`` per event id instead of per-key state and timers
     (much cheaper on FnApiRunner, which pays a state-API round trip and a timer per id). There every copy is seen
-    at once, so "first" is the earliest copy by event time (ties: delivery order) and the TTL is applied in event
-    time: a copy at or past ``first + ttl`` starts a new TTL, as it would on a stream whose watermark follows event
-    time. Outputs keep each event's own timestamp and window. Unbounded or streaming input keeps the stateful path.
+    at once, so "first" is the earliest copy by event time (ties: lowest Kafka coordinates, so a rerun keeps the
+    same copy) and the TTL is applied in event time: a copy at or past ``first + ttl`` starts a new TTL, as it would
+    on a stream whose watermark follows event time. Outputs keep each event's own timestamp and window. Unbounded or
+    streaming input keeps the stateful path.
 
     Needs: a keyed stateful ParDo, or on bounded input a GroupByKey (either way a shuffle by event id).
     Deduplication is per window: apply it to globally windowed input (before ``WindowInto``) for stream-wide

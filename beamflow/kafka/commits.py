@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from beamflow.kafka.client import KafkaConsumerClient
 from beamflow.kafka.record import TopicPartition
@@ -34,13 +34,26 @@ class ForwardOnlyCommitter:
         self._lock = threading.Lock()
 
     def commit(self, tp: TopicPartition, next_offset: int) -> bool:
+        return bool(self.commit_all({tp: next_offset}))
+
+    def commit_all(self, offsets: Mapping[TopicPartition, int]) -> dict[TopicPartition, int]:
+        """Commits every partition of ``offsets`` that moves forward, in ONE commit request; returns those committed.
+
+        One OffsetCommit request is appended to the group's log as one batch, so the broker holds either all of these
+        partitions' new offsets or none of them (a crash or a failed request in between cannot commit some
+        partitions of a run and not others). Partitions whose committed offset is already at or past the given one
+        are left out (forward only).
+        """
         with self._lock:
-            current = self._client.committed(tp)
-            if current is not None and next_offset <= current:
-                return False
-            self._client.commit({tp: next_offset})
-            _LOG.debug("committed %s at %d (was %s)", tp, next_offset, current)
-            return True
+            forward: dict[TopicPartition, int] = {}
+            for tp, next_offset in offsets.items():
+                current = self._client.committed(tp)
+                if current is None or next_offset > current:
+                    forward[tp] = next_offset
+            if forward:
+                self._client.commit(forward)
+                _LOG.debug("committed %s", forward)
+            return forward
 
 
 class RoundDelayedCommits:

@@ -1,0 +1,338 @@
+"""The sessions store: new (partial) sessions merged with the stored ones they touch, in one transaction. No Beam.
+
+Why: a bounded run sees only the events of its own offset ranges, so a session that spans two runs arrives as two
+partial sessions, and a rerun after a crash between the sinks and the offset commit (or a restored streaming job)
+delivers events a stored session already counts. Upserting rows by (user, start) leaves both kinds of run boundary
+visible: overlapping rows for one user, and events counted twice. ``SessionStore.write`` instead, per batch and in
+ONE transaction:
+
+1. takes a transaction-scoped advisory lock per user (sorted, so concurrent writers cannot deadlock; two writers of
+   one user are serialised even when that user has no stored row yet to lock);
+2. reads the user's stored sessions whose window overlaps a new one (``start < new end AND end > new start``: the
+   windows already carry the gap, ``[first event, last event + gap)``, so this is the ``Sessions`` merge rule) with
+   ``SELECT ... FOR UPDATE``, again for the widened extents until nothing new turns up (transitive merges: a late
+   event can bridge two stored sessions);
+3. merges each connected group with ``SessionClicks.union``: counts come from the union of the events' Kafka
+   coordinates (``impression_offsets``/``click_offsets``, offset ranges per partition), so an event that a stored
+   row already counts is counted once, whatever run delivered it again;
+4. deletes the stored rows a merged row replaces and inserts the merged rows (a group that changes nothing, e.g. a
+   pure replay, writes nothing).
+
+Guarantee: after any sequence of batches (runs cut anywhere, batches repeated after crashes, in any order), the
+table holds for each user exactly the sessions one pass over the union of all delivered events would form (windows
+``[first, last + gap)`` merged when they overlap, each event counted once), provided every event was delivered
+with its Kafka coordinates (one topic per table: the coordinates are partition and offset). A batch commits
+entirely or not at all. Rows written without offsets (an earlier table layout) are refused with a clear error.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from beamflow.aggregates import SessionClicks
+from beamflow.kafka.offset_ranges import OffsetRanges
+from beamflow.postgres.retry import RetryPolicy
+from beamflow.postgres.table import TableSpec, create_table, existing_columns
+
+__all__ = ["SESSION_COLUMNS", "Session", "SessionStore", "SessionWriteStats", "sessions_spec"]
+
+SESSION_COLUMNS: dict[str, str] = {
+    "user_id": "text NOT NULL",
+    "session_start": "timestamptz NOT NULL",
+    "session_end": "timestamptz NOT NULL",
+    "impressions": "bigint NOT NULL",
+    "clicks": "bigint NOT NULL",
+    "first_event": "timestamptz",
+    "last_event": "timestamptz",
+    "events": "bigint NOT NULL",
+    "pane_index": "bigint NOT NULL",
+    "is_final": "boolean NOT NULL",
+    # The Kafka coordinates of the events counted, per type (OffsetRanges text: "0:100-180,190;2:5-9").
+    "impression_offsets": "text NOT NULL",
+    "click_offsets": "text NOT NULL",
+}
+_NAMES = list(SESSION_COLUMNS)
+_TYPES = {
+    "text NOT NULL": "text",
+    "timestamptz NOT NULL": "timestamptz",
+    "timestamptz": "timestamptz",
+    "bigint NOT NULL": "bigint",
+    "boolean NOT NULL": "boolean",
+}
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+_MICRO = dt.timedelta(microseconds=1)
+
+
+def sessions_spec(table: str) -> TableSpec:
+    """The sessions table: one row per (user, session start); ``SessionStore`` keeps the rows of a user disjoint."""
+    return TableSpec(table, key=("user_id", "session_start"), version=("events", "pane_index"), columns=SESSION_COLUMNS)
+
+
+def _micros(when: dt.datetime | None) -> int | None:
+    return None if when is None else (when - _EPOCH) // _MICRO
+
+
+def _datetime(micros: int | float | None) -> dt.datetime | None:
+    return None if micros is None else _EPOCH + dt.timedelta(microseconds=int(micros))
+
+
+@dataclass(frozen=True)
+class Session:
+    """One user's session: window ``[start, end)`` (datetimes), its aggregate (event times as epoch micros)."""
+
+    user_id: str
+    start: dt.datetime
+    end: dt.datetime
+    value: SessionClicks
+    pane_index: int = 0
+    is_final: bool = False
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> Session:
+        """From a sessions-table row (a mapping with ``SESSION_COLUMNS``)."""
+        value = SessionClicks(
+            int(row["impressions"]),
+            int(row["clicks"]),
+            _micros(row["first_event"]),
+            _micros(row["last_event"]),
+            OffsetRanges.decode(row["impression_offsets"]),
+            OffsetRanges.decode(row["click_offsets"]),
+        )
+        return cls(
+            row["user_id"],
+            row["session_start"],
+            row["session_end"],
+            value,
+            int(row["pane_index"]),
+            bool(row["is_final"]),
+        )
+
+    def to_row(self) -> dict[str, Any]:
+        v = self.value
+        return {
+            "user_id": self.user_id,
+            "session_start": self.start,
+            "session_end": self.end,
+            "impressions": v.impressions,
+            "clicks": v.clicks,
+            "first_event": _datetime(v.first_event_time),
+            "last_event": _datetime(v.last_event_time),
+            "events": v.events,
+            "pane_index": self.pane_index,
+            "is_final": self.is_final,
+            "impression_offsets": v.impression_offsets.encode(),
+            "click_offsets": v.click_offsets.encode(),
+        }
+
+
+@dataclass
+class SessionWriteStats:
+    batches: int = 0
+    rows_in: int = 0
+    rows_inserted: int = 0
+    rows_deleted: int = 0
+    unchanged: int = 0
+    # Events a new row carried that the stored rows already counted (replays recognised by their offsets).
+    events_already_stored: int = 0
+    retries: int = 0
+
+
+@dataclass
+class _Group:
+    start: dt.datetime
+    end: dt.datetime
+    stored: list[Session] = field(default_factory=list)
+    new: list[Session] = field(default_factory=list)
+
+
+def _groups(stored: Iterable[Session], new: Iterable[Session]) -> list[_Group]:
+    """Connected groups of one user's sessions by window overlap (``end > next start``, as ``Sessions`` merges)."""
+    tagged = sorted([(s.start, 0, s) for s in stored] + [(s.start, 1, s) for s in new], key=lambda t: (t[0], t[1]))
+    groups: list[_Group] = []
+    for start, is_new, session in tagged:
+        if not groups or groups[-1].end <= start:
+            groups.append(_Group(start, session.end))
+        group = groups[-1]
+        group.end = max(group.end, session.end)
+        (group.new if is_new else group.stored).append(session)
+    return groups
+
+
+def _lock_key(table: str, user_id: str) -> int:
+    digest = hashlib.blake2b(f"{table}\x00{user_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big", signed=True)
+
+
+class SessionStore:
+    """Merges new session rows into a sessions table (see the module docstring for the guarantee).
+
+    ::
+
+        store = SessionStore(conn_factory, "click_sessions")   # or SessionStore.connect(dsn, table)
+        store.ensure_table()
+        store.write(rows)                                       # dicts with SESSION_COLUMNS, one transaction
+
+    ``connection`` is a callable giving a context manager that yields a psycopg connection (a pool's
+    ``pool.connection`` or ``lambda: psycopg.connect(dsn)``). Transient failures retry the whole transaction.
+    """
+
+    def __init__(self, connection: Any, table: str, retry: RetryPolicy | None = None) -> None:
+        self.spec = sessions_spec(table)
+        self._connection = connection
+        self._retry = retry or RetryPolicy()
+        self.stats = SessionWriteStats()
+
+    @classmethod
+    def connect(cls, dsn: str, table: str, retry: RetryPolicy | None = None) -> SessionStore:
+        return cls(lambda: psycopg.connect(dsn), table, retry)
+
+    def ensure_table(self) -> None:
+        """Creates the table if missing; refuses one without the offset columns (rows that cannot merge exactly)."""
+
+        def ensure() -> None:
+            with self._connection() as conn, conn.transaction():
+                create_table(conn, self.spec)
+                columns = {c.name for c in existing_columns(conn, self.spec) or []}
+                missing = [c for c in _NAMES if c not in columns]
+                if missing:
+                    raise RuntimeError(
+                        f"sessions table {self.spec.display_name} lacks columns {missing}: it was written without the "
+                        "events' Kafka offsets, so its sessions cannot be merged exactly with new ones; drop it (or "
+                        "write to a new table) and rebuild it from Kafka"
+                    )
+
+        self._retry.call(ensure, on_retry=self._count_retry)
+
+    def write(self, rows: Iterable[Mapping[str, Any]]) -> SessionWriteStats:
+        """Merges ``rows`` (new, possibly partial or repeated sessions) into the table in one transaction; returns
+        this call's counts."""
+        sessions = [s if isinstance(s, Session) else Session.from_row(s) for s in rows]
+        if not sessions:
+            return SessionWriteStats()
+        for s in sessions:
+            if not s.value.exact:
+                raise ValueError(
+                    f"session of {s.user_id!r} at {s.start.isoformat()} carries {s.value.events} events but only "
+                    f"{len(s.value.impression_offsets) + len(s.value.click_offsets)} Kafka offsets: the sessions "
+                    "store needs every event's partition and offset to count each once"
+                )
+        by_user: dict[str, list[Session]] = defaultdict(list)
+        for s in sessions:
+            by_user[s.user_id].append(s)
+        outcome = self._retry.call(lambda: self._transaction(by_user), on_retry=self._count_retry)
+        outcome.batches, outcome.rows_in = 1, len(sessions)
+        for name in ("batches", "rows_in", "rows_inserted", "rows_deleted", "unchanged", "events_already_stored"):
+            setattr(self.stats, name, getattr(self.stats, name) + getattr(outcome, name))
+        return outcome
+
+    def read(self, user_ids: Sequence[str] | None = None) -> list[Session]:
+        """Stored sessions (of ``user_ids``, or all), ordered by user and start."""
+        where = sql.SQL(" WHERE user_id = ANY(%s)") if user_ids is not None else sql.SQL("")
+        query = sql.SQL("SELECT {cols} FROM {t}{where} ORDER BY user_id, session_start").format(
+            cols=sql.SQL(", ").join(map(sql.Identifier, _NAMES)), t=self.spec.qualified, where=where
+        )
+        with self._connection() as conn:
+            cur = conn.execute(query, (list(user_ids),) if user_ids is not None else ())
+            return [Session.from_row(dict(zip(_NAMES, r, strict=True))) for r in cur.fetchall()]
+
+    # ---- the transaction ----------------------------------------------------------------------------------------
+
+    def _transaction(self, by_user: Mapping[str, list[Session]]) -> SessionWriteStats:
+        out = SessionWriteStats()
+        users = sorted(by_user, key=lambda u: _lock_key(self.spec.display_name, u))
+        with self._connection() as conn, conn.transaction():
+            conn.execute(
+                "SELECT pg_advisory_xact_lock(k) FROM unnest(%s::bigint[]) AS u(k)",
+                ([_lock_key(self.spec.display_name, u) for u in users],),
+            )
+            stored: dict[str, dict[dt.datetime, Session]] = defaultdict(dict)
+            # Extents to look up: the new windows first, then whatever the merged groups grew to.
+            probes = [(u, s.start, s.end) for u in users for s in by_user[u]]
+            while probes:
+                found = self._lock_overlapping(conn, probes)
+                fresh = [s for s in found if s.start not in stored[s.user_id]]
+                for s in fresh:
+                    stored[s.user_id][s.start] = s
+                if not fresh:
+                    break
+                grown = {s.user_id for s in fresh}
+                probes = [(u, g.start, g.end) for u in sorted(grown) for g in _groups(stored[u].values(), by_user[u])]
+            deletes: list[tuple[str, dt.datetime]] = []
+            inserts: list[dict[str, Any]] = []
+            for user in users:
+                for group in _groups(stored[user].values(), by_user[user]):
+                    merged = self._merge(group, out)
+                    if len(group.stored) == 1 and merged.to_row() == group.stored[0].to_row():
+                        out.unchanged += 1
+                        continue
+                    deletes.extend((s.user_id, s.start) for s in group.stored)
+                    inserts.append(merged.to_row())
+            if deletes:
+                cur = conn.execute(
+                    sql.SQL(
+                        "DELETE FROM {t} USING unnest(%s::text[], %s::timestamptz[]) AS d(user_id, session_start) "
+                        "WHERE {t}.user_id = d.user_id AND {t}.session_start = d.session_start"
+                    ).format(t=self.spec.qualified),
+                    ([u for u, _ in deletes], [s for _, s in deletes]),
+                )
+                out.rows_deleted += max(cur.rowcount, 0)
+            if inserts:
+                cur = conn.execute(
+                    sql.SQL("INSERT INTO {t} ({cols}) SELECT * FROM unnest({arrays})").format(
+                        t=self.spec.qualified,
+                        cols=sql.SQL(", ").join(map(sql.Identifier, _NAMES)),
+                        arrays=sql.SQL(", ").join(
+                            sql.SQL("%s::{}[]").format(sql.SQL(_TYPES[SESSION_COLUMNS[n]])) for n in _NAMES
+                        ),
+                    ),
+                    [[row[n] for row in inserts] for n in _NAMES],
+                )
+                out.rows_inserted += max(cur.rowcount, 0)
+        return out
+
+    def _lock_overlapping(
+        self, conn: psycopg.Connection[Any], probes: Sequence[tuple[str, dt.datetime, dt.datetime]]
+    ) -> list[Session]:
+        query = sql.SQL(
+            "SELECT {cols} FROM {t} s "
+            "JOIN unnest(%s::text[], %s::timestamptz[], %s::timestamptz[]) AS n(user_id, s_start, s_end) "
+            "ON s.user_id = n.user_id AND s.session_start < n.s_end AND s.session_end > n.s_start "
+            "ORDER BY s.user_id, s.session_start FOR UPDATE OF s"
+        ).format(
+            cols=sql.SQL(", ").join(sql.SQL("s.{}").format(sql.Identifier(n)) for n in _NAMES), t=self.spec.qualified
+        )
+        cur = conn.execute(query, ([p[0] for p in probes], [p[1] for p in probes], [p[2] for p in probes]))
+        unique = {(r[0], r[1]): r for r in cur.fetchall()}  # a stored row may overlap several probes
+        return [Session.from_row(dict(zip(_NAMES, r, strict=True))) for r in unique.values()]
+
+    @staticmethod
+    def _merge(group: _Group, out: SessionWriteStats) -> Session:
+        members = [*group.stored, *group.new]
+        value = members[0].value
+        for s in members[1:]:
+            value = value.union(s.value)
+        if group.stored:
+            before = group.stored[0].value
+            for s in group.stored[1:]:
+                before = before.union(s.value)
+            out.events_already_stored += before.events + sum(s.value.events for s in group.new) - value.events
+        newest = max(group.new, key=lambda s: s.pane_index) if group.new else members[0]
+        return Session(
+            members[0].user_id,
+            min(s.start for s in members),
+            max(s.end for s in members),
+            value,
+            newest.pane_index,
+            any(s.is_final for s in group.new),
+        )
+
+    def _count_retry(self, _exc: BaseException) -> None:
+        self.stats.retries += 1
