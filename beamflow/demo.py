@@ -1,22 +1,36 @@
 """The demo a new user runs first: services up, traffic generated, the clicks job run, and an audit of the result.
 
 The summary checks the job's contract, not just that it ran: every produced record is either a distinct row in
-Iceberg, a dead letter, or a quarantined duplicate, and neither sink holds a duplicate event id.
+Iceberg, a dead letter, or a quarantined duplicate, and neither sink holds a duplicate event id. The traffic comes in
+two batches, the second continuing the first's event time a minute later, and the job runs after each (as a bounded
+job is run again and again in practice): the sessions in PostgreSQL must equal the sessions of one pass over all the
+events (computed from the generated events here), with no two sessions of a user within the gap of each other.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import datetime as dt
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from beamflow.config import load_config, resolve_auto
-from beamflow.generate import TrafficSpec, avro_click_encoder, generate_traffic, produce_traffic
+from beamflow.generate import GeneratedTraffic, TrafficSpec, avro_click_encoder, generate_traffic, produce_traffic
 from beamflow.services import ServiceSet
 
-__all__ = ["DemoSummary", "audit_job", "reset_job_state", "run_demo"]
+__all__ = [
+    "DemoSummary",
+    "audit_job",
+    "continuing",
+    "expected_sessions",
+    "reset_job_state",
+    "run_demo",
+    "stored_sessions",
+]
 
 
 @dataclass
@@ -33,10 +47,23 @@ class DemoSummary:
     postgres_duplicate_ids: int
     late_dropped: int
     seconds: float
+    runs: int = 1
+    session_events: int = 0
+    expected_sessions: int = 0
+    sessions_match: bool = True
 
     @property
     def balanced(self) -> bool:
         return self.produced == self.iceberg_distinct_ids + self.dead_letters + self.quarantined
+
+    @property
+    def ok(self) -> bool:
+        return (
+            self.balanced
+            and self.iceberg_duplicate_ids == 0
+            and self.postgres_duplicate_ids == 0
+            and self.sessions_match
+        )
 
     def rows(self) -> list[tuple[str, str]]:
         return [
@@ -50,7 +77,10 @@ class DemoSummary:
             ("rows in Iceberg", f"{self.iceberg_rows:,}"),
             ("distinct event ids in Iceberg", f"{self.iceberg_distinct_ids:,}"),
             ("duplicate event ids in Iceberg (audit)", f"{self.iceberg_duplicate_ids:,}"),
+            ("job runs (each batch continuing the last)", f"{self.runs:,}"),
             ("session rows in PostgreSQL", f"{self.session_rows:,}"),
+            ("  sessions of one pass over all events", f"{self.expected_sessions:,}"),
+            ("  events counted in sessions", f"{self.session_events:,}"),
             ("overlapping sessions in PostgreSQL", f"{self.postgres_duplicate_ids:,}"),
             ("events too late for sessions (counted)", f"{self.late_dropped:,}"),
             ("throughput (records/s, whole job)", f"{self.read / self.seconds:,.0f}" if self.seconds else "-"),
@@ -58,6 +88,7 @@ class DemoSummary:
                 "produced = Iceberg distinct + dead + quarantined",
                 "yes" if self.balanced else "NO",
             ),
+            ("sessions across runs = one pass over all events", "yes" if self.sessions_match else "NO"),
         ]
 
     def table(self) -> str:
@@ -133,13 +164,76 @@ def audit_job(config: dict[str, Any]) -> dict[str, int]:
     return out
 
 
+SessionKey = tuple[str, dt.datetime, dt.datetime, int, int, int]
+
+
+def expected_sessions(traffic: Iterable[GeneratedTraffic], gap_ms: int) -> list[SessionKey]:
+    """(user, start, end, impressions, clicks, events) of one pass over every distinct event generated, sorted:
+    what the sessions table must hold whatever runs the events were read in."""
+    events: dict[str, set[tuple[int, str, str]]] = {}
+    for batch in traffic:
+        for r in batch.records:
+            if r.kind == "event" and r.event is not None:
+                e = r.event
+                events.setdefault(e["user_id"], set()).add(
+                    (e["event_time"], e["event_type"], e["ad_id"] + e["campaign_id"])
+                )
+    out: list[SessionKey] = []
+    utc = dt.UTC
+    for user, mine in events.items():
+        ordered = sorted(mine)
+        group: list[tuple[int, str, str]] = []
+        for item in [*ordered, None]:
+            if group and (item is None or item[0] >= group[-1][0] + gap_ms):
+                kinds = Counter(k for _, k, _ in group)
+                out.append(
+                    (
+                        user,
+                        dt.datetime.fromtimestamp(group[0][0] / 1000, utc),
+                        dt.datetime.fromtimestamp((group[-1][0] + gap_ms) / 1000, utc),
+                        kinds["impression"],
+                        kinds["click"],
+                        len(group),
+                    )
+                )
+                group = []
+            if item is not None:
+                group.append(item)
+    return sorted(out)
+
+
+def stored_sessions(config: dict[str, Any]) -> list[SessionKey]:
+    """The sessions table as (user, start, end, impressions, clicks, events), sorted."""
+    import psycopg
+    from psycopg import sql
+
+    pg = config["postgres"]
+    with psycopg.connect(pg["dsn"]) as conn:
+        rows = conn.execute(
+            sql.SQL(
+                "SELECT user_id, session_start, session_end, impressions, clicks, events FROM {} "
+                "ORDER BY user_id, session_start"
+            ).format(sql.Identifier(pg["sessions_table"]))
+        ).fetchall()
+    return sorted((r[0], r[1], r[2], int(r[3]), int(r[4]), int(r[5])) for r in rows)
+
+
+def continuing(spec: TrafficSpec, previous: GeneratedTraffic, after_ms: int = 60_000) -> TrafficSpec:
+    """The next batch: event time continues ``after_ms`` after the previous batch's last event, new seed."""
+    last = max(r.event["event_time"] for r in previous.records if r.event is not None)
+    return dataclasses.replace(spec, start_ms=last + after_ms, seed=spec.seed + 1)
+
+
 def run_demo(
     conf_path: str = "conf/clicks.yaml",
     overrides: tuple[str, ...] = (),
     spec: TrafficSpec | None = None,
     services: ServiceSet | None = None,
     progress: Callable[[str], None] = print,
+    runs: int = 2,
 ) -> DemoSummary:
+    """Generates ``spec.events`` events in ``runs`` batches, each continuing the last in event time, and runs the job
+    after each batch; the summary audits the sinks after the last run."""
     from apache_beam.metrics.metric import MetricsFilter
 
     import pipelines.clicks as clicks
@@ -158,25 +252,57 @@ def run_demo(
     reset_job_state(config)
 
     spec = spec or TrafficSpec(partitions=int(config["kafka"].get("partitions", 4)))
-    progress(f"generating {spec.events:,} click events with skew, duplicates, late data, an idle stretch, schema v2")
     create_topic(config["kafka"]["bootstrap"], config["kafka"]["topic"], spec.partitions)
-    traffic = generate_traffic(spec, avro_click_encoder(config["registry"]["url"], config["registry"]["subject"]))
-    produce_traffic(config["kafka"]["bootstrap"], config["kafka"]["topic"], traffic)
-    progress(f"  produced {len(traffic.records):,} records: {traffic.summary()}")
-
-    progress("running pipelines.clicks on the pinned local runner (FnApiRunner)")
-    t0 = time.monotonic()
-    result = clicks.run_with_config(config)
-    seconds = time.monotonic() - t0
-    metrics = result.metrics()
-    read = sum(r.committed or 0 for r in metrics.query(MetricsFilter().with_name("records_read"))["counters"])
-    progress(f"  job finished in {seconds:.1f}s; auditing the sinks")
+    encoder = avro_click_encoder(config["registry"]["url"], config["registry"]["subject"])
+    per_run = max(1, spec.events // runs)
+    # The whole stream ends about now: the first batch starts early enough for every batch to fit before it.
+    batch_spec = dataclasses.replace(
+        spec,
+        events=per_run,
+        start_ms=spec.start_ms
+        if spec.start_ms is not None
+        else int(time.time() * 1000) - spec.events * spec.step_ms - runs * 60_000,
+    )
+    batches: list[GeneratedTraffic] = []
+    seconds = 0.0
+    read = late = 0
+    for run in range(runs):
+        if run:
+            batch_spec = continuing(batch_spec, batches[-1])
+        if run == runs - 1:
+            batch_spec = dataclasses.replace(batch_spec, events=spec.events - per_run * (runs - 1))
+        progress(
+            f"batch {run + 1}/{runs}: {batch_spec.events:,} click events with skew, duplicates, late data, an idle "
+            "stretch, schema v2" + (" (event time continuing the last batch's)" if run else "")
+        )
+        traffic = generate_traffic(batch_spec, encoder)
+        produce_traffic(config["kafka"]["bootstrap"], config["kafka"]["topic"], traffic)
+        batches.append(traffic)
+        progress(f"  produced {len(traffic.records):,} records: {traffic.summary()}")
+        progress(f"  running pipelines.clicks on the pinned local runner (FnApiRunner), run {run + 1}/{runs}")
+        t0 = time.monotonic()
+        result = clicks.run_with_config(config)
+        seconds += time.monotonic() - t0
+        metrics = result.metrics()
+        read += sum(r.committed or 0 for r in metrics.query(MetricsFilter().with_name("records_read"))["counters"])
+        late += late_dropped(metrics)
+        progress(f"  job finished in {time.monotonic() - t0:.1f}s")
+    progress("auditing the sinks")
     counts = audit_job(config)
+    expected = expected_sessions(batches, int(config["sessions"].get("gap_s", 600)) * 1000)
+    stored = stored_sessions(config)
+    produced_counts: Counter[str] = Counter()
+    for traffic in batches:
+        produced_counts.update(traffic.counts)
     return DemoSummary(
-        produced=len(traffic.records),
-        produced_counts=traffic.summary(),
+        produced=sum(len(t.records) for t in batches),
+        produced_counts=dict(sorted(produced_counts.items())),
         read=read,
         seconds=seconds,
-        late_dropped=late_dropped(metrics),
+        late_dropped=late,
+        runs=runs,
+        session_events=sum(s[5] for s in stored),
+        expected_sessions=len(expected),
+        sessions_match=stored == expected,
         **counts,
     )
