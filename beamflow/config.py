@@ -84,10 +84,18 @@ def resolve_auto(config: dict[str, Any], services: Any = None) -> dict[str, Any]
     if catalog.get("uri", "").startswith("sqlite:///") or catalog.get("warehouse", "").startswith("file://"):
         (services.data / "iceberg" / "warehouse").mkdir(parents=True, exist_ok=True)
     flink = out.get("flink", {})
-    if flink.get("job_endpoint") == "auto" or flink.get("master") == "auto":
+    environment = flink.get("environment")
+    local_process = environment == "PROCESS" or (isinstance(environment, dict) and environment.get("command") == "auto")
+    if "auto" in (flink.get("job_endpoint"), flink.get("master"), flink.get("files_to_stage")) or local_process:
         state = need("flink")
         if flink.get("job_endpoint") == "auto":
             flink["job_endpoint"] = f"127.0.0.1:{state.ports['job']}"
         if flink.get("master") == "auto":
             flink["master"] = f"127.0.0.1:{state.ports['rest']}"
+        if flink.get("files_to_stage") == "auto":
+            # The local cluster has Beam's runner jars on its classpath: a job ships only an empty marker jar.
+            flink["files_to_stage"] = [state.info["marker_jar"]]
+        if local_process:
+            # Beam's boot, which each local TaskManager runs to start its own Python workers.
+            flink["environment"] = {"type": "PROCESS", "command": state.info["boot"]}
     return out

@@ -703,7 +703,6 @@ def _measure(args: argparse.Namespace, services: Any, workdir: Path) -> int:
     variants = args.variants.split(",")
     flink = None
     if "flink" in variants:
-        from runners.flink import staged_jars
 
         flink = services.get("flink").up()
         base["_rest_url"] = flink.info["rest_url"]  # for run_flink; the job ignores unknown top-level keys
@@ -712,7 +711,7 @@ def _measure(args: argparse.Namespace, services: Any, workdir: Path) -> int:
             **FLINK_BENCH,
             "job_endpoint": flink.info["job_endpoint"],
             "environment": "LOOPBACK",
-            "files_to_stage": staged_jars(Path(flink.info["job_server_classpath"])),
+            "files_to_stage": [flink.info["marker_jar"]],
             "parallelism": args.flink_parallelism or FLINK_BENCH["parallelism"],
         }
         if args.flink_streaming:

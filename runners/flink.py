@@ -19,6 +19,8 @@ Flink-side options the Python SDK then accepts as flags, and against a Flink 1.1
   ``--retain_externalized_checkpoints_on_cancellation``
   [``execution.checkpointing.externalized-checkpoint-retention: RETAIN_ON_CANCELLATION``]
 - retained_checkpoints_count -> (no option) [``state.checkpoints.num-retained``]
+- tolerable_failed_checkpoints -> (no option) [``execution.checkpointing.tolerable-failed-checkpoints``, which the job
+  server's environment reads from the cluster's config.yaml and which then overrides Beam's fail-on-first-failure]
 - state_backend -> (left to the cluster, see below) [``state.backend.type: rocksdb|hashmap``]
 - incremental -> (no option) [``state.backend.incremental``]
 - restart_strategy fixed-delay -> ``--number_of_execution_retries``, ``--execution_retry_delay``
@@ -40,30 +42,44 @@ The state backend: Beam's own ``--state_backend`` knows only ``rocksdb`` and ``f
 equivalent and applies to every job that does not set one, so ``cluster_settings`` returns it for ``FlinkService``.
 The job server reads the same config.yaml (``--flink-conf-dir``), so checkpoint retention configured there applies too.
 
-Locally (``FlinkService``), use ``--job_endpoint`` of the job server it started and ``LOOPBACK``: the Python SDK
-workers run inside the submitting process. ``options_for_service`` fills both in.
+Locally (``FlinkService``), ``job_endpoint: auto`` points the job at the job server it started, ``environment:
+PROCESS`` at Beam's ``boot`` it built (each TaskManager starts its own Python SDK workers with it), and
+``files_to_stage: auto`` at the one empty marker jar (Beam's runner jars are on that cluster's classpath, so nothing
+large is uploaded per job). ``options_for_service`` fills all three in for a ``ServiceState``.
 
-Deployments: start an EXTERNAL worker pool beside each TaskManager, on the TaskManager's host::
+Deployments: PROCESS with ``{type: PROCESS, command: /opt/apache/beam/boot}`` where every TaskManager's image has
+boot, this project and apache-beam of the submitter's exact version; or an EXTERNAL worker pool beside each
+TaskManager::
 
     python -m runners.worker_pool --port 50000     # Beam's worker pool, bound to 127.0.0.1 (see runners/worker_pool.py)
 
-and set ``environment: {type: EXTERNAL, config: "localhost:50000"}`` (the address is resolved on the TaskManager, so
-``localhost`` means "the pool next to me"). The pool's Python environment must hold the pipeline's code and the exact
-apache-beam version of the submitter. ``PROCESS`` needs a ``boot`` binary not shipped in the wheel; ``DOCKER`` needs
-Docker on every TaskManager.
+with ``environment: {type: EXTERNAL, config: "localhost:50000"}`` (the address is resolved on the TaskManager, so
+``localhost`` means "the pool next to me"). ``LOOPBACK`` runs the workers inside the submitting process: for debugging
+only (one interpreter for every slot, and the job dies with the submitter). ``DOCKER`` needs Docker on every
+TaskManager. ``docs/deploying.md`` maps the local shape onto a cluster.
 
 Command-line flags override the YAML: ``flink_options(conf["flink"], sys.argv[1:])``.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from apache_beam.options.pipeline_options import PipelineOptions
 
-__all__ = ["cluster_settings", "flink_flags", "flink_options", "options_for_service", "staged_jars"]
+__all__ = [
+    "SubmissionError",
+    "check_reachable",
+    "cluster_settings",
+    "environment_kind",
+    "flink_flags",
+    "flink_options",
+    "options_for_service",
+    "service_settings",
+    "wait_until_running",
+]
 
 # conf key -> pipeline flag, for plain values passed through as ``--flag=value``.
 _VALUE_FLAGS: dict[str, str] = {
@@ -92,7 +108,13 @@ _BOOL_FLAGS: dict[str, tuple[str, ...]] = {
 }
 # Keys that only the cluster's config.yaml can carry (see cluster_settings); accepted here so one section configures
 # both sides.
-_CLUSTER_ONLY = {"state_backend", "incremental", "retained_checkpoints_count", "task_slots"}
+_CLUSTER_ONLY = {
+    "state_backend",
+    "incremental",
+    "retained_checkpoints_count",
+    "task_slots",
+    "tolerable_failed_checkpoints",
+}
 _KNOWN = (
     set(_VALUE_FLAGS)
     | set(_BOOL_FLAGS)
@@ -154,6 +176,10 @@ def cluster_settings(config: Mapping[str, Any]) -> dict[str, Any]:
         settings["state.checkpoints.num-retained"] = int(config["retained_checkpoints_count"])
     if config.get("retained_checkpoints"):
         settings["execution.checkpointing.externalized-checkpoint-retention"] = "RETAIN_ON_CANCELLATION"
+    if config.get("tolerable_failed_checkpoints") is not None:
+        # Beam 2.62 has no job option for it (fail_on_checkpointing_errors is all or nothing); set on the cluster,
+        # which the job server's environment reads, it also overrides Beam's "fail on the first failed checkpoint".
+        settings["execution.checkpointing.tolerable-failed-checkpoints"] = int(config["tolerable_failed_checkpoints"])
     if config.get("task_slots"):
         settings["taskmanager.numberOfTaskSlots"] = int(config["task_slots"])
     if config.get("parallelism"):
@@ -175,39 +201,53 @@ def cluster_settings(config: Mapping[str, Any]) -> dict[str, Any]:
     return settings
 
 
-def staged_jars(job_server_classpath: Path) -> list[str]:
-    """The job server's jars the cluster lacks: everything but Flink's own (parent-first there anyway), RocksDB's
-    native library and logging. Staging only these halves what each submission uploads (about 100 of 190 MB)."""
-    skip = ("flink-", "frocksdbjni-", "slf4j-", "scala-")
-    return sorted(str(p) for p in Path(job_server_classpath).glob("*.jar") if not p.name.startswith(skip))
-
-
 def options_for_service(
     state: Any, config: Mapping[str, Any] | None = None, argv: Sequence[str] = ()
 ) -> PipelineOptions:
-    """Options for the local ``FlinkService`` (its ``ServiceState``): its job endpoint, LOOPBACK workers, its jars."""
-    merged: dict[str, Any] = {
-        "job_endpoint": state.info.get("job_endpoint") or f"127.0.0.1:{state.ports['job']}",
-        "environment": "LOOPBACK",
-        "files_to_stage": staged_jars(Path(state.info["job_server_classpath"])),
-        **(config or {}),
-    }
+    """Options for the local ``FlinkService`` (its ``ServiceState``): its job endpoint, PROCESS workers beside each
+    TaskManager (Beam's boot), and only the marker jar staged (Beam's runner jars are on the cluster's classpath)."""
+    merged: dict[str, Any] = {**service_settings(state), **(config or {})}
     return flink_options(merged, argv)
 
 
+def service_settings(state: Any) -> dict[str, Any]:
+    """The ``flink:`` settings that point a job at the local ``FlinkService``."""
+    return {
+        "job_endpoint": state.info.get("job_endpoint") or f"127.0.0.1:{state.ports['job']}",
+        "environment": {"type": "PROCESS", "command": state.info["boot"]},
+        "files_to_stage": [state.info["marker_jar"]],
+    }
+
+
+def environment_kind(environment: Any) -> str:
+    """LOOPBACK, EXTERNAL, PROCESS or DOCKER, from a ``flink.environment`` setting (a name or a mapping)."""
+    kind = environment.get("type", "LOOPBACK") if isinstance(environment, Mapping) else environment
+    return str(kind).upper()
+
+
 def _environment_flags(environment: Any) -> list[str]:
-    if isinstance(environment, str):
-        kind, address = environment, None
-    elif isinstance(environment, Mapping):
-        kind, address = str(environment.get("type", "LOOPBACK")), environment.get("config")
-    else:
-        raise ValueError(f"environment must be LOOPBACK or {{type: EXTERNAL, config: host:port}}, got {environment!r}")
-    kind = kind.upper()
+    if not isinstance(environment, str | Mapping):
+        raise ValueError(
+            "environment must be LOOPBACK, PROCESS, {type: PROCESS, command: /path/to/boot} or "
+            f"{{type: EXTERNAL, config: host:port}}, got {environment!r}"
+        )
+    kind = environment_kind(environment)
+    settings = environment if isinstance(environment, Mapping) else {}
     if kind not in {"LOOPBACK", "EXTERNAL", "PROCESS", "DOCKER"}:
         raise ValueError(f"unknown environment type {kind!r}")
+    flags = [f"--environment_type={kind}"]
+    if kind == "PROCESS":
+        command = settings.get("command")
+        if not command:
+            raise ValueError(
+                "environment PROCESS needs command: the path of Beam's Python boot binary on every TaskManager "
+                "(locally `flink.environment: PROCESS` with `flink.job_endpoint: auto` fills in the local one)"
+            )
+        flags.append("--environment_config=" + json.dumps({"command": str(command)}))
+        return flags
+    address = settings.get("config")
     if kind == "EXTERNAL" and not address:
         raise ValueError("environment EXTERNAL needs config: host:port of a worker pool beside each TaskManager")
-    flags = [f"--environment_type={kind}"]
     if address:
         flags.append(f"--environment_config={address}")
     return flags
@@ -223,3 +263,64 @@ def _restart_flags(restart: Any) -> list[str]:
     if restart.get("delay_ms") is not None:
         flags.append(f"--execution_retry_delay={int(restart['delay_ms'])}")
     return flags
+
+
+class SubmissionError(RuntimeError):
+    """A job could not be handed to the Flink cluster; the message is one line saying what to fix."""
+
+
+def check_reachable(config: Mapping[str, Any], timeout_s: float = 5.0) -> None:
+    """Before submitting: the job server answers, and an EXTERNAL worker pool listens (else one clear line).
+
+    Without this, an endpoint that does not answer surfaces a minute later as a bare ``grpc.FutureTimeoutError``.
+    """
+    endpoint = str(config.get("job_endpoint") or "")
+    if not endpoint or endpoint == "auto":
+        raise SubmissionError(
+            "flink.job_endpoint is not set: `auto` means the local job server (`beamflow services up flink`), "
+            "a deployment names its host:port"
+        )
+    if not _answers(endpoint, timeout_s):
+        raise SubmissionError(
+            f"the Beam job server at {endpoint} (flink.job_endpoint) does not answer; start it "
+            "(`beamflow services up flink` locally) or set flink.job_endpoint to the one that runs"
+        )
+    environment = config.get("environment", "LOOPBACK")
+    if environment_kind(environment) == "EXTERNAL" and isinstance(environment, Mapping):
+        pool = str(environment.get("config") or "")
+        # The TaskManagers resolve this address on their own hosts; here it can be checked only when they are local.
+        host = pool.rsplit(":", 1)[0]
+        if host in ("localhost", "127.0.0.1", "::1") and not _answers(pool, timeout_s):
+            raise SubmissionError(
+                f"no Python worker pool answers at {pool} (flink.environment.config); start one beside each "
+                "TaskManager: python -m runners.worker_pool --port " + pool.rsplit(":", 1)[-1]
+            )
+
+
+def _answers(address: str, timeout_s: float) -> bool:
+    import socket
+
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def wait_until_running(result: Any, timeout_s: float = 300.0, poll_s: float = 1.0) -> str:
+    """After ``pipeline.run()`` on the job server: waits until the job runs (or ended), returns its state.
+
+    A detached submission returns here: the job lives on the cluster with its workers beside the TaskManagers, so the
+    submitting process may exit (LOOPBACK workers would die with it, so LOOPBACK jobs are always waited for).
+    """
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = str(result.state)
+        if state in ("RUNNING", "DONE", "FAILED", "CANCELLED", "UPDATED", "DRAINED"):
+            return state
+        if time.monotonic() > deadline:
+            raise SubmissionError(f"the job did not start within {timeout_s:.0f}s (last state {state})")
+        time.sleep(poll_s)

@@ -10,13 +10,12 @@ by Prism 2.62 (it logs "Bundle is not in a finalizable state"), so tests on Pris
 
 from __future__ import annotations
 
-import os
-import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
 from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
 
+from beamflow.services.gobuild import go_install
 from beamflow.services.paths import cache_dir
 
 __all__ = ["PRISM_VERSION", "ensure_prism", "prism_options"]
@@ -25,30 +24,8 @@ PRISM_VERSION = "v2.62.0"  # the Go SDK tag matching apache-beam==2.62.0
 
 
 def ensure_prism(cache: Path | None = None) -> Path:
-    """The prism binary, built once into ``<cache>/prism/<version>/``."""
-    target = (cache or cache_dir()) / "prism" / PRISM_VERSION
-    binary = target / "prism"
-    if binary.exists():
-        return binary
-    target.mkdir(parents=True, exist_ok=True)
-    env = {
-        **os.environ,
-        "GOBIN": str(target),
-        "GOFLAGS": "-mod=mod",
-        "GOSUMDB": "off",
-        "GOPATH": str((cache or cache_dir()) / "go"),
-        "GOCACHE": str((cache or cache_dir()) / "go-build"),
-    }
-    result = subprocess.run(
-        ["go", "install", f"github.com/apache/beam/sdks/v2/go/cmd/prism@{PRISM_VERSION}"],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if result.returncode != 0 or not binary.exists():
-        raise RuntimeError(f"building prism {PRISM_VERSION} failed:\n{result.stderr[-3000:]}")
-    return binary
+    """The prism binary, built once into the cache (``beamflow.services.gobuild``)."""
+    return go_install("github.com/apache/beam/sdks/v2/go/cmd/prism", PRISM_VERSION, "prism", cache or cache_dir())
 
 
 def prism_options(argv: Sequence[str] = (), streaming: bool = True) -> PipelineOptions:

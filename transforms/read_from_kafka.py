@@ -47,9 +47,11 @@ from apache_beam.utils.windowed_value import create as windowed_value
 from beamflow.kafka.client import KafkaConsumerClient, open_consumer
 from beamflow.kafka.commits import DEFAULT_ROUND_GAP_S, ForwardOnlyCommitter, RoundDelayedCommits
 from beamflow.kafka.guard import exclusive_reader
+from beamflow.kafka.pool import PROCESS_POOL
 from beamflow.kafka.record import KafkaRecord, TopicPartition
 from beamflow.kafka.watermark import PartitionWatermark
 from transforms._global_window import GLOBAL_WINDOWS
+from transforms._run_mode import is_streaming
 
 __all__ = ["ReadFromKafka", "StartPolicy", "StopPolicy"]
 
@@ -225,24 +227,12 @@ class _ReadPartitionFn(beam.DoFn, _PartitionRestrictions, _PartitionWatermarks):
         self._event_time_fn = event_time_fn
 
     def setup(self) -> None:
-        self._consumers: dict[TopicPartition, KafkaConsumerClient] = {}
         self._committer: ForwardOnlyCommitter | None = None
         ns = "beamflow.kafka"
         self._records = Metrics.counter(ns, "records_read")
         self._bytes = Metrics.counter(ns, "bytes_read")
         self._late = Metrics.counter(ns, "late_records")
         self._idle = Metrics.counter(ns, "idle_polls")
-
-    def teardown(self) -> None:
-        for consumer in getattr(self, "_consumers", {}).values():
-            consumer.close()
-        self._consumers = {}
-
-    def _consumer(self, tp: TopicPartition) -> KafkaConsumerClient:
-        consumer = self._consumers.get(tp)
-        if consumer is None:
-            consumer = self._consumers[tp] = self._config.consumer()
-        return consumer
 
     def _commit(self, tp: TopicPartition, next_offset: int) -> None:
         """Commits a finalized bundle's next offset. A bounded read commits at once; the local runner finalizes before
@@ -297,8 +287,10 @@ class _ReadPartitionFn(beam.DoFn, _PartitionRestrictions, _PartitionWatermarks):
         watermark: PartitionWatermark = watermark_estimator.partition_watermark()
         if restriction.start >= restriction.stop:
             return  # nothing to read (an empty partition in a bounded read): done without a poll
-        with exclusive_reader(config.bootstrap, config.group_id, tp.topic, tp.partition):
-            consumer = self._consumer(tp)
+        with (
+            exclusive_reader(config.bootstrap, config.group_id, tp.topic, tp.partition),
+            PROCESS_POOL.checkout((config, tp), config.consumer) as consumer,
+        ):
             consumer.assign(tp, restriction.start)
             deadline = time.monotonic() + config.max_bundle_seconds
             emitted = 0
@@ -558,7 +550,7 @@ class ReadFromKafka(beam.PTransform):
         read_cls = _ReadPartitionFn if finite else _UnboundedReadPartitionFn
         watch = watch_cls(self._config, self._partition_poll_interval_s)
         read = read_cls(self._config, self._event_time_fn)
-        return (
+        records = (
             pbegin
             # Impulse + FlatMap rather than Create: Create's expansion adds a pickled-Python reshuffle that portable
             # runners (Prism) cannot run, and a lambda label that changes with Beam's source lines.
@@ -569,3 +561,11 @@ class ReadFromKafka(beam.PTransform):
             | "SpreadPartitions" >> beam.Reshuffle()
             | "ReadPartitions" >> beam.ParDo(read)
         )
+        if is_streaming(records):
+            # A streaming read ends its stage here. Beam's Flink runner turns Reshuffle into a plain network
+            # rebalance (no state), which (1) keeps the read's stage small: each of its bundles asks for finalization
+            # and holds its bundle processor until the next checkpoint completes, so the runner builds a new processor
+            # for nearly every bundle, which must not mean new decoders, pools and sinks for every stage fused in;
+            # and (2) spreads records over every subtask however the partitions fell to the readers.
+            records = records | "Rebalance" >> beam.Reshuffle()
+        return records

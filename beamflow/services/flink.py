@@ -1,4 +1,4 @@
-"""A real Flink session cluster on 127.0.0.1 (one JobManager, one TaskManager) plus Beam's Flink job server.
+"""A real Flink session cluster on 127.0.0.1 (one JobManager, two TaskManagers) plus Beam's Flink job server.
 
 Everything is fetched from the registries the project may use and laid out under the cache:
 
@@ -9,6 +9,12 @@ Everything is fetched from the registries the project may use and laid out under
 * Beam's Flink job server from Maven Central: the prebuilt ``beam-runners-flink-<v>-job-server`` shadow jar is not
   served there, so the runner artifact ``beam-runners-flink-1.19`` is resolved with its runtime dependencies and
   ``org.apache.beam.runners.flink.FlinkJobServerDriver`` is run from that classpath.
+
+The production worker shape, locally: each TaskManager starts its own Python SDK workers through Beam's PROCESS
+environment (Beam's ``boot`` binary, built from the Go module proxy, runs ``sdk_worker_main`` with this project's
+interpreter), so the workers live beside their TaskManager, die with it, and leave the submitting process free to
+exit (detached submission). Beam's runner jars sit on the cluster's own classpath (``<data>/flink/lib``, Flink's
+``FLINK_LIB_DIR``), so a submission ships one empty marker jar instead of about 100 MB of the job server's jars.
 
 The processes are started in the foreground (``bin/jobmanager.sh start-foreground`` and ``bin/taskmanager.sh
 start-foreground`` exec the JVM), each in its own process group so ``down()`` leaves no JVM behind. Every port is
@@ -51,8 +57,10 @@ from beamflow.services.base import (
     wait_until,
 )
 from beamflow.services.fetch import maven_classpath, pypi_download
+from beamflow.services.gobuild import go_install
+from beamflow.services.paths import project_root
 
-__all__ = ["BEAM_VERSION", "FLINK_VERSION", "FlinkService"]
+__all__ = ["BEAM_VERSION", "FLINK_VERSION", "FlinkService", "runner_jars"]
 
 FLINK_VERSION = "1.19.3"
 BEAM_VERSION = "2.62.0"
@@ -66,17 +74,26 @@ JOB_SERVER_COORDINATES = (
     "org.slf4j:slf4j-simple:1.7.30",
 )
 JOB_SERVER_MAIN = "org.apache.beam.runners.flink.FlinkJobServerDriver"
+# Beam's Python SDK container entry point (boot.go), the PROCESS environment's command.
+BOOT_PACKAGE = "github.com/apache/beam/sdks/v2/python/container"
+BOOT_VERSION = f"v{BEAM_VERSION}"
+TASKMANAGERS = 2
 
 # Cluster-wide defaults written into config.yaml; overridable through FlinkService(settings=...).
 DEFAULT_SETTINGS: dict[str, Any] = {
-    "taskmanager.numberOfTaskSlots": 4,
+    # Two TaskManagers with two slots each: a parallelism-2 job gets one subtask of every vertex per TaskManager (the
+    # spread-out rule), so each TaskManager's Python workers run half the job, on their own interpreter.
+    "taskmanager.numberOfTaskSlots": 2,
+    "cluster.evenly-spread-out-slots": True,
     "parallelism.default": 1,
     "jobmanager.memory.process.size": "1024m",
-    "taskmanager.memory.process.size": "1728m",
+    "taskmanager.memory.process.size": "1536m",
     "state.backend.type": "rocksdb",
     "state.backend.incremental": True,
     "state.checkpoints.num-retained": 3,
     "execution.checkpointing.externalized-checkpoint-retention": "RETAIN_ON_CANCELLATION",
+    # conf/flink.yaml's tolerable_failed_checkpoints: one slow checkpoint must not restart the job (Beam's default).
+    "execution.checkpointing.tolerable-failed-checkpoints": 3,
     "restart-strategy.type": "fixed-delay",
     "restart-strategy.fixed-delay.attempts": 20,
     "restart-strategy.fixed-delay.delay": "2 s",
@@ -84,6 +101,10 @@ DEFAULT_SETTINGS: dict[str, Any] = {
     "heartbeat.interval": 2000,
     "heartbeat.timeout": 15000,
     "jobmanager.execution.failover-strategy": "region",
+    # Aligned checkpoint barriers queue behind the records already in the network buffers; on a backlog every buffer
+    # is full and Python stages drain them slowly. Debloating sizes the buffers to about one second of each
+    # channel's throughput, which bounds how long a barrier waits at each exchange.
+    "taskmanager.network.memory.buffer-debloat.enabled": True,
     # Batch jobs (a bounded clicks run with streaming: false): every blocking result partition asks this many network
     # buffers up front; Flink's 512 exceeded the local TaskManager's 4,096 at parallelism 2 ("Insufficient number of
     # network buffers") and made the job fail over once.
@@ -101,9 +122,18 @@ class FlinkService(LocalService):
 
     name = "flink"
 
-    def __init__(self, data_dir: Path, cache_dir: Path, settings: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        cache_dir: Path,
+        settings: dict[str, Any] | None = None,
+        taskmanagers: int = TASKMANAGERS,
+    ) -> None:
         super().__init__(data_dir, cache_dir)
         self.settings = {**DEFAULT_SETTINGS, **(settings or {})}
+        if taskmanagers < 1:
+            raise ValueError("a Flink cluster needs at least one TaskManager")
+        self.taskmanagers = taskmanagers
 
     # -- paths ------------------------------------------------------------------------------------------------
     @property
@@ -126,10 +156,25 @@ class FlinkService(LocalService):
     def log_dir(self) -> Path:
         return self.home / "log"
 
+    @property
+    def lib_dir(self) -> Path:
+        """The cluster's classpath (FLINK_LIB_DIR): Flink's own lib plus Beam's runner jars."""
+        return self.home / "lib"
+
+    @property
+    def marker_jar(self) -> Path:
+        """What a job stages instead of the job server's jars (the cluster has them in ``lib_dir``)."""
+        return self.home / "job-jars" / "beamflow-job.jar"
+
     # -- install ----------------------------------------------------------------------------------------------
     def install(self) -> None:
         self._install_distribution()
         self._job_server_classpath()
+        self.boot_binary()
+
+    def boot_binary(self) -> Path:
+        """Beam's Python SDK ``boot`` (the PROCESS environment's command), built once from the Go module proxy."""
+        return go_install(BOOT_PACKAGE, BOOT_VERSION, "container", self.cache_dir)
 
     def _job_server_classpath(self) -> Path:
         return maven_classpath(
@@ -221,8 +266,6 @@ class FlinkService(LocalService):
             "jobmanager.bind-host": "127.0.0.1",
             "taskmanager.host": "127.0.0.1",
             "taskmanager.bind-host": "127.0.0.1",
-            "taskmanager.rpc.port": ports["taskmanager_rpc"],
-            "taskmanager.data.port": ports["taskmanager_data"],
             "rest.address": "127.0.0.1",
             "rest.bind-address": "127.0.0.1",
             "rest.port": ports["rest"],
@@ -238,15 +281,35 @@ class FlinkService(LocalService):
         (conf / "config.yaml").write_text(yaml.safe_dump(settings, sort_keys=True))
         (conf / "masters").write_text(f"127.0.0.1:{ports['rest']}\n")
         (conf / "workers").write_text("127.0.0.1\n")
+        self._write_lib()
         return conf
 
+    def _write_lib(self) -> None:
+        """FLINK_LIB_DIR: links to Flink's lib and to Beam's runner jars; and the empty jar a job stages instead."""
+        shutil.rmtree(self.lib_dir, ignore_errors=True)
+        self.lib_dir.mkdir(parents=True)
+        for jar in [*sorted((self.flink_home / "lib").glob("*.jar")), *runner_jars(self._job_server_classpath())]:
+            (self.lib_dir / jar.name).symlink_to(jar)
+        self.marker_jar.parent.mkdir(parents=True, exist_ok=True)
+        with zipfile.ZipFile(self.marker_jar, "w") as jar_file:
+            jar_file.writestr("META-INF/MANIFEST.MF", "Manifest-Version: 1.0\nCreated-By: beamflow\n")
+
     def _env(self) -> dict[str, str]:
+        python_bin = os.path.dirname(sys.executable)
         return {
             "FLINK_HOME": str(self.flink_home),
             "FLINK_CONF_DIR": str(self.conf_dir),
             "FLINK_LOG_DIR": str(self.log_dir),
+            "FLINK_LIB_DIR": str(self.lib_dir),
             # config.sh writes the JVM's pid file here when daemonizing; keep it out of /tmp.
             "FLINK_PID_DIR": str(self.home / "tmp"),
+            # For the PROCESS environment: boot runs `python -m ...sdk_worker_main` found on PATH, in that Python
+            # itself (not a fresh venv per worker): this interpreter, which has beamflow and apache-beam installed.
+            "PATH": python_bin + os.pathsep + os.environ.get("PATH", ""),
+            "RUN_PYTHON_SDK_IN_DEFAULT_ENVIRONMENT": "1",
+            # The job's own modules: beamflow, transforms, runners and pipelines are installed; tests and benchmarks
+            # define DoFns too, and workers import what the submitter pickled by reference.
+            "PYTHONPATH": str(project_root()),
         }
 
     # -- processes --------------------------------------------------------------------------------------------
@@ -257,12 +320,17 @@ class FlinkService(LocalService):
         ]  # fmt: skip
         return start_process(argv, self.log_dir / "jobmanager.out", env=self._env(), cwd=self.home).pid
 
-    def _start_taskmanager(self, ports: dict[str, int]) -> int:
+    def _start_taskmanager(self, ports: dict[str, int], index: int = 1) -> int:
+        """TaskManager ``index`` (1-based) on its own ports, with its own id and log files."""
+        suffix = "" if index == 1 else f"_{index}"
         argv = [
             str(self.flink_home / "bin" / "taskmanager.sh"), "start-foreground",
-            "-D", f"metrics.internal.query-service.port={ports['taskmanager_query']}",
+            "-D", f"taskmanager.resource-id=taskmanager-{index}",
+            "-D", f"taskmanager.rpc.port={ports['taskmanager_rpc' + suffix]}",
+            "-D", f"taskmanager.data.port={ports['taskmanager_data' + suffix]}",
+            "-D", f"metrics.internal.query-service.port={ports['taskmanager_query' + suffix]}",
         ]  # fmt: skip
-        return start_process(argv, self.log_dir / "taskmanager.out", env=self._env(), cwd=self.home).pid
+        return start_process(argv, self.log_dir / f"taskmanager-{index}.out", env=self._env(), cwd=self.home).pid
 
     def _start_job_server(self, ports: dict[str, int]) -> int:
         classpath = self._job_server_classpath()
@@ -283,8 +351,10 @@ class FlinkService(LocalService):
         return start_process(argv, self.log_dir / "jobserver.out", env=self._env(), cwd=self.home).pid
 
     def _start(self) -> ServiceState:
-        names = ("rest", "jobmanager_rpc", "blob", "jobmanager_query", "taskmanager_rpc", "taskmanager_data",
-                 "taskmanager_query", "job", "artifact", "expansion")  # fmt: skip
+        names = ["rest", "jobmanager_rpc", "blob", "jobmanager_query", "job", "artifact", "expansion"]
+        for index in range(1, self.taskmanagers + 1):
+            suffix = "" if index == 1 else f"_{index}"
+            names += [f"taskmanager_rpc{suffix}", f"taskmanager_data{suffix}", f"taskmanager_query{suffix}"]
         ports: dict[str, int] = {}
         while len(ports) < len(names):  # free_port can hand back the same number twice
             port = free_port()
@@ -297,12 +367,16 @@ class FlinkService(LocalService):
         state = ServiceState(name=self.name, ports=ports)
         try:
             roles["jobmanager"] = self._start_jobmanager(ports)
-            roles["taskmanager"] = self._start_taskmanager(ports)
+            for index in range(1, self.taskmanagers + 1):
+                roles[_taskmanager_role(index)] = self._start_taskmanager(ports, index)
             # The job server talks to the cluster only when a job is submitted, so all three JVMs boot together.
             roles["job_server"] = self._start_job_server(ports)
             state.pids = list(roles.values())
             rest = FlinkRest(f"http://127.0.0.1:{ports['rest']}")
-            _wait(lambda: _cluster_ready(rest, roles), 180, f"Flink REST /overview on 127.0.0.1:{ports['rest']}")
+            _wait(
+                lambda: _cluster_ready(rest, roles, self.taskmanagers),
+                180, f"Flink REST /overview on 127.0.0.1:{ports['rest']}",
+            )  # fmt: skip
             timings["cluster_s"] = round(time.monotonic() - started, 1)
             _wait(
                 lambda: _alive(roles) and port_open(ports["job"]),
@@ -324,6 +398,10 @@ class FlinkService(LocalService):
             "rest_url": f"http://127.0.0.1:{ports['rest']}",
             "job_endpoint": f"127.0.0.1:{ports['job']}",
             "job_server_classpath": str(self._job_server_classpath()),
+            # PROCESS environment: {"type": "PROCESS", "config": {"command": boot}} (runners/flink.py).
+            "boot": str(self.boot_binary()),
+            "marker_jar": str(self.marker_jar),
+            "taskmanagers": self.taskmanagers,
             "roles": roles,
             "startup": timings,
             "flink_version": FLINK_VERSION,
@@ -333,13 +411,20 @@ class FlinkService(LocalService):
 
     def ready(self, state: ServiceState) -> bool:
         rest = FlinkRest(f"http://127.0.0.1:{state.ports['rest']}", timeout=5)
-        return _cluster_ready(rest, state.info.get("roles", {})) and port_open(state.ports["job"])
+        roles = state.info.get("roles", {})
+        expected = int(state.info.get("taskmanagers", 1))
+        return _cluster_ready(rest, roles, expected) and port_open(state.ports["job"])
 
     # -- failure drills ---------------------------------------------------------------------------------------
     def kill(self, role: str) -> int:
-        """SIGKILLs one process (``jobmanager``, ``taskmanager`` or ``job_server``) like a crash; returns its pid."""
+        """SIGKILLs one process like a crash (its process group: a TaskManager's Python workers die with it).
+
+        Roles: ``jobmanager``, ``taskmanager`` (the first; ``taskmanager-2`` ... the others) or ``job_server``.
+        Returns the pid.
+        """
         state = self._require_state()
         roles: dict[str, int] = state.info.get("roles", {})
+        role = _canonical_role(role)
         if role not in roles:
             raise ServiceError(f"unknown Flink role {role!r}; known: {', '.join(roles)}")
         pid = roles[role]
@@ -354,36 +439,40 @@ class FlinkService(LocalService):
         """Starts ``role`` again on the same ports (after ``kill``); with ``wait``, until the cluster answers again."""
         state = self._require_state()
         roles: dict[str, int] = dict(state.info.get("roles", {}))
+        role = _canonical_role(role)
         old = roles.get(role)
         if old is not None and pid_alive(old):
             raise ServiceError(f"{role} (pid {old}) is still running; kill it first")
-        start = {
+        starters: dict[str, Callable[[dict[str, int]], int]] = {
             "jobmanager": self._start_jobmanager,
-            "taskmanager": self._start_taskmanager,
             "job_server": self._start_job_server,
-        }.get(role)
+        }
+        for index in range(1, int(state.info.get("taskmanagers", 1)) + 1):
+            starters[_taskmanager_role(index)] = lambda ports, i=index: self._start_taskmanager(ports, i)
+        start = starters.get(role)
         if start is None:
-            raise ServiceError(f"unknown Flink role {role!r}")
+            raise ServiceError(f"unknown Flink role {role!r}; known: {', '.join(starters)}")
         rest = FlinkRest(f"http://127.0.0.1:{state.ports['rest']}")
         known_taskmanagers: set[str] = set()
-        if role == "taskmanager":
+        if role.startswith("taskmanager"):
             with contextlib.suppress(Exception):  # the JobManager may be down too
                 known_taskmanagers = {tm["id"] for tm in rest.taskmanagers()}
         roles[role] = start(state.ports)
         state.info["roles"] = roles
-        state.pids = [roles[r] for r in ("jobmanager", "taskmanager", "job_server") if r in roles]
+        state.pids = list(roles.values())
         state.save(self.state_path)
         if wait:
             if role == "job_server":
                 wait_for_port(state.ports["job"], 180, "Beam Flink job server")
-            elif role == "taskmanager":
+            elif role.startswith("taskmanager"):
                 # The JobManager still lists the killed TaskManager until its heartbeat times out: wait for a new one.
                 _wait(
                     lambda: _alive(roles) and bool({tm["id"] for tm in rest.taskmanagers()} - known_taskmanagers),
                     180, "the restarted TaskManager to register",
                 )  # fmt: skip
             else:
-                _wait(lambda: _cluster_ready(rest, roles), 180, f"Flink cluster after restarting the {role}")
+                expected = int(state.info.get("taskmanagers", 1))
+                _wait(lambda: _cluster_ready(rest, roles, expected), 180, f"Flink cluster after restarting the {role}")
         return state
 
     def kill_taskmanager(self) -> int:
@@ -432,10 +521,28 @@ def _wait(check: Callable[[], bool], timeout: float, what: str) -> None:
         time.sleep(0.5)
 
 
-def _cluster_ready(rest: FlinkRest, roles: dict[str, int]) -> bool:
+def _cluster_ready(rest: FlinkRest, roles: dict[str, int], taskmanagers: int = 1) -> bool:
     _alive(roles)
     overview = rest.overview()
-    return int(overview.get("taskmanagers", 0)) >= 1 and int(overview.get("slots-total", 0)) >= 1
+    return int(overview.get("taskmanagers", 0)) >= taskmanagers and int(overview.get("slots-total", 0)) >= 1
+
+
+def _taskmanager_role(index: int) -> str:
+    """``taskmanager`` for the first (the name drills and older states use), ``taskmanager-<n>`` for the others."""
+    return "taskmanager" if index == 1 else f"taskmanager-{index}"
+
+
+def _canonical_role(role: str) -> str:
+    return "taskmanager" if role == "taskmanager-1" else role
+
+
+def runner_jars(job_server_classpath: Path) -> list[Path]:
+    """The job server's jars a Flink cluster lacks: all but Flink's own, RocksDB's native library and logging.
+
+    ``FlinkService`` puts these on the cluster's classpath, so jobs need not ship them.
+    """
+    skip = ("flink-", "frocksdbjni-", "slf4j-", "scala-")
+    return sorted(p for p in Path(job_server_classpath).glob("*.jar") if not p.name.startswith(skip))
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

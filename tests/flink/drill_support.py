@@ -27,7 +27,6 @@ from beamflow.flink_rest import TERMINAL_STATES, FlinkRest
 from beamflow.generate import ClickRecord, GeneratedTraffic, TrafficSpec, avro_click_encoder, generate_traffic
 from beamflow.services import ServiceState
 from beamflow.services.paths import project_root
-from runners.flink import staged_jars
 
 __all__ = [
     "DrillJob",
@@ -84,7 +83,7 @@ def drill_config(
     config["flink"].update(
         job_endpoint=flink.info["job_endpoint"],
         environment="LOOPBACK",
-        files_to_stage=staged_jars(Path(flink.info["job_server_classpath"])),
+        files_to_stage=[flink.info["marker_jar"]],
         parallelism=1,
         checkpointing_interval_ms=3000,
         max_bundle_time_ms=3000,

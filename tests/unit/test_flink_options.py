@@ -16,19 +16,28 @@ CONF = Path(__file__).resolve().parents[2] / "conf" / "flink.yaml"
 
 def test_example_conf_maps_to_job_server_options_and_cluster_settings() -> None:
     section = yaml.safe_load(CONF.read_text())["flink"]
+    # `auto` and the bare PROCESS are the local services' (resolve_auto fills them in); a deployment names them.
+    assert section["job_endpoint"] == "auto" and section["environment"] == "PROCESS"
+    with pytest.raises(ValueError, match="boot"):
+        flink_flags(section)
+    section.update(environment={"type": "PROCESS", "command": "/opt/apache/beam/boot"}, files_to_stage=["/j.jar"])
     flags = flink_flags(section)
     assert "--runner=FlinkRunner" in flags
     assert "--streaming" in flags
     assert "--checkpointing_interval=10000" in flags
     assert "--checkpoint_timeout_millis=30000" in flags
+    assert "--max_bundle_size=1000" in flags and "--max_bundle_time_mills=1000" in flags
     assert "--min_pause_between_checkpoints=2000" in flags
     assert "--externalized_checkpoints_enabled" in flags
-    assert "--environment_type=LOOPBACK" in flags
+    assert "--environment_type=PROCESS" in flags
+    assert '--environment_config={"command": "/opt/apache/beam/boot"}' in flags
+    assert "--files_to_stage=/j.jar" in flags
     assert "--number_of_execution_retries=10" in flags
     settings = cluster_settings(section)
     assert settings["state.backend.type"] == "rocksdb"
     assert settings["state.backend.incremental"] is True
     assert settings["state.checkpoints.num-retained"] == 3
+    assert settings["execution.checkpointing.tolerable-failed-checkpoints"] == 3
 
 
 def test_command_line_overrides_the_conf() -> None:
