@@ -217,16 +217,18 @@ def _code_digest(paths: list[str | None]) -> str:
     return digest.hexdigest()[:10]
 
 
-def _session_rows(events_by_user: dict[str, list[tuple[int, str]]], gap_ms: int) -> list[tuple[Any, ...]]:
+def _session_rows(events_by_user: dict[str, list[tuple[int, str, int, int]]], gap_ms: int) -> list[tuple[Any, ...]]:
+    from beamflow.kafka.offset_ranges import OffsetRanges
+
     utc = dt.UTC
     rows = []
     for user, events in events_by_user.items():
         events.sort()
-        session: list[tuple[int, str]] = []
+        session: list[tuple[int, str, int, int]] = []
         for event in [*events, None]:
             if session and (event is None or event[0] - session[-1][0] >= gap_ms):
                 first, last = session[0][0], session[-1][0]
-                clicks = sum(1 for _, kind in session if kind == "click")
+                clicks = sum(1 for _, kind, _, _ in session if kind == "click")
                 rows.append(
                     (
                         user,
@@ -239,6 +241,8 @@ def _session_rows(events_by_user: dict[str, list[tuple[int, str]]], gap_ms: int)
                         len(session),
                         0,
                         True,
+                        OffsetRanges.of((p, o) for _, kind, p, o in session if kind != "click").encode(),
+                        OffsetRanges.of((p, o) for _, kind, p, o in session if kind == "click").encode(),
                     )
                 )
                 session = []
@@ -300,7 +304,7 @@ def run_baseline(config: dict[str, Any]) -> dict[str, Any]:
         pending, appends = [], appends + 1
 
     first_seen: dict[str, int] = {}
-    sessions: dict[str, list[tuple[int, str]]] = defaultdict(list)
+    sessions: dict[str, list[tuple[int, str, int, int]]] = defaultdict(list)
     dead: list[tuple[Any, ...]] = []
     quarantined: list[tuple[Any, ...]] = []
     records = 0
@@ -339,7 +343,7 @@ def run_baseline(config: dict[str, Any]) -> dict[str, Any]:
                 continue
             first_seen[event_id] = event["event_time"]
             pending.append(impression_row(event))
-            sessions[event["user_id"]].append((event["event_time"], event["event_type"]))
+            sessions[event["user_id"]].append((event["event_time"], event["event_type"], p, offset))
         if time.monotonic() - last_append >= interval:
             append()
             last_append = time.monotonic()
