@@ -160,20 +160,7 @@ def check_config(config: Mapping[str, Any], partitions: int | None = None) -> li
                 "set flink.finish_bundle_before_checkpointing: true",
             )
         )
-    if _get(config, "iceberg") and interval:
-        bundle_ms = int(flink.get("max_bundle_time_ms") or 1000)  # Beam's Flink runner default
-        if bundle_ms < int(interval):
-            findings.append(
-                Finding(
-                    "sink-commit-shorter-than-checkpoint",
-                    "warning",
-                    f"Iceberg commits every bundle ({bundle_ms / 1000}s), more often than the checkpoint interval "
-                    f"{int(interval) / 1000}s",
-                    "WriteToIceberg commits per bundle: more bundles than checkpoints make small files and "
-                    "snapshots (iceberg#2404: tiny files every checkpoint)",
-                    "set flink.max_bundle_time_ms to the checkpoint interval",
-                )
-            )
+    findings.extend(_stall_findings(config, flink, interval))
     consumer = _get(config, "kafka.consumer_config", {}) or {}
     if str(consumer.get("enable.auto.commit", consumer.get("enable_auto_commit", "false"))).lower() == "true":
         findings.append(
@@ -221,6 +208,106 @@ def check_config(config: Mapping[str, Any], partitions: int | None = None) -> li
             )
         )
     return findings
+
+
+# Above these, a checkpoint barrier on a backlog waits for more work than a 30 s timeout allows (issue 13: 100,000
+# stalled every checkpoint of the clicks job at 50,000 events).
+MAX_BARRIER_BUNDLE = 5_000
+MAX_READ_CALL_RECORDS = 5_000
+
+
+def _stall_findings(config: Mapping[str, Any], flink: Mapping[str, Any], interval: Any) -> list[Finding]:
+    """Settings that bring back the streaming job's backlog stall (docs/streaming.md says what bounds a barrier)."""
+    if not flink or not flink.get("streaming", True):
+        return []
+    found: list[Finding] = []
+    bundle_size = int(flink.get("max_bundle_size") or 1000)  # Beam's Flink runner streaming default
+    if bundle_size > MAX_BARRIER_BUNDLE:
+        found.append(
+            Finding(
+                "bundle-swallows-backlog",
+                "error",
+                f"flink.max_bundle_size {bundle_size} lets a Python stage take in that many elements before a barrier",
+                "every Python stage finishes its open bundle before it passes a checkpoint barrier on; on a backlog "
+                "each stage's bundle fills to this size, so the barrier waits for all of it (issue 13: at 100,000 no "
+                "checkpoint completed and the job restarted in a loop)",
+                f"keep flink.max_bundle_size at or below {MAX_BARRIER_BUNDLE} (1,000 is Flink's streaming default)",
+            )
+        )
+    read_call = int(_get(config, "kafka.max_bundle_records", 2000) or 2000)
+    if read_call > MAX_READ_CALL_RECORDS:
+        found.append(
+            Finding(
+                "read-call-swallows-backlog",
+                "warning",
+                f"kafka.max_bundle_records {read_call}: one read call emits that many records per partition",
+                "the read stage passes a barrier only after what its call emitted has been handed downstream; on a "
+                "backlog that output queues behind backpressure, and the barrier with it",
+                f"keep kafka.max_bundle_records at or below {MAX_READ_CALL_RECORDS} (about a second of the job's "
+                "per-subtask throughput)",
+            )
+        )
+    bundle_ms = int(flink.get("max_bundle_time_ms") or 1000)
+    if interval and bundle_ms > int(interval) // 2:
+        found.append(
+            Finding(
+                "read-polls-too-rarely",
+                "warning",
+                f"flink.max_bundle_time_ms {bundle_ms} is over half the checkpoint interval",
+                "Beam's Flink runner resumes a read only after the bundle that deferred it ends, so each partition is "
+                "read once per bundle: throughput is capped at kafka.max_bundle_records per bundle time",
+                "keep flink.max_bundle_time_ms near 1000 (barriers end bundles anyway)",
+            )
+        )
+    environment = flink.get("environment", "LOOPBACK")
+    kind = str(environment.get("type", "LOOPBACK") if isinstance(environment, Mapping) else environment).upper()
+    if kind == "LOOPBACK":
+        parallel = int(flink.get("parallelism") or 1) > 1
+        found.append(
+            Finding(
+                "loopback-workers",
+                "warning" if parallel else "info",
+                "the Python workers run inside the submitting process (LOOPBACK)",
+                "every slot's Python shares one interpreter (one GIL) with the submitter, which must stay up: the "
+                "job dies with it, and parallelism adds no Python throughput",
+                "use environment: PROCESS (workers beside each TaskManager) or EXTERNAL worker pools",
+            )
+        )
+    if str(_get(config, "dedup.strategy", "auto")) == "state":
+        found.append(
+            Finding(
+                "per-event-state-round-trips",
+                "warning",
+                "dedup.strategy state on a Flink stream",
+                "on portable runners each per-key state read is a blocking round trip from the Python worker to the "
+                "runner, one per event: the dedup stage then bounds the whole job's throughput (issue 13)",
+                "use dedup.strategy: store (or auto), one PostgreSQL transaction per bundle",
+            )
+        )
+    tolerated = flink.get("tolerable_failed_checkpoints")
+    if flink.get("fail_on_checkpointing_errors") is not False and not tolerated:
+        found.append(
+            Finding(
+                "no-tolerated-checkpoint-failures",
+                "warning",
+                "a single failed checkpoint restarts the job",
+                "Beam's Flink runner tolerates no failed checkpoint by default: one slow checkpoint on a loaded "
+                "machine restarts every task and re-reads from the last completed one",
+                "set flink.tolerable_failed_checkpoints (e.g. 3) on the cluster",
+            )
+        )
+    if _get(config, "iceberg") and interval and bundle_ms < int(interval):
+        found.append(
+            Finding(
+                "iceberg-commit-per-bundle",
+                "info",
+                f"Iceberg commits once per bundle (up to every {bundle_ms / 1000:g}s per subtask while data flows)",
+                "WriteToIceberg commits in finish_bundle so the group's offsets never run ahead of the table; "
+                "short bundles keep barriers fast but make small files and many snapshots (iceberg#2404)",
+                "schedule `beamflow iceberg compact` and `beamflow iceberg expire` (or the sink's expire_keep_last)",
+            )
+        )
+    return found
 
 
 def check_unstable_names(labels: list[str]) -> list[Finding]:

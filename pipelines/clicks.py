@@ -39,7 +39,7 @@ from beamflow.postgres.table import TableSpec
 from transforms.attach_event_id import AttachEventId
 from transforms.commit_offsets_after import CommitOffsetsAfter
 from transforms.decode_avro import DecodeAvro
-from transforms.deduplicate import DeduplicateEvents, QuarantinedEvent
+from transforms.deduplicate import DeduplicateEvents, FirstCopyTable, QuarantinedEvent
 from transforms.hot_key_aggregate import HotKeyAggregate, WindowedAggregate
 from transforms.read_from_kafka import ReadFromKafka, StartPolicy, StopPolicy
 from transforms.write_dead_letters import WriteDeadLetters, dead_letter_spec
@@ -172,6 +172,8 @@ def build_pipeline(p: beam.Pipeline, config: dict[str, Any]) -> ClicksJob:
         stop=StopPolicy(at_end_offsets=bounded),
         max_delay_ms=int(kafka.get("max_delay_ms", 0)),
         idle_timeout_ms=kafka.get("idle_timeout_ms"),
+        max_bundle_records=int(kafka.get("max_bundle_records", 2000)),
+        consumer_config=kafka.get("consumer_config") or None,
         # A bounded run commits after its sinks (CommitOffsetsAfter below); a streaming one on finalization.
         commit_offsets=not bounded,
     )
@@ -181,7 +183,10 @@ def build_pipeline(p: beam.Pipeline, config: dict[str, Any]) -> ClicksJob:
         | "ToClickEvents" >> beam.Map(click_event)
         | "WithEventId" >> AttachEventId(fields=EVENT_ID_FIELDS)
     )
-    dedup = events | "Deduplicate" >> DeduplicateEvents(ttl=int(dedup_conf.get("ttl_s", 86400)))
+    dedup = events | "Deduplicate" >> DeduplicateEvents(
+        ttl=int(dedup_conf.get("ttl_s", 86400)),
+        table=_first_copy_table(config, streaming=not bounded),
+    )
 
     catalog = CatalogConfig(warehouse=ice["catalog"]["warehouse"], uri=ice["catalog"].get("uri", ""))
     iceberg = (
@@ -208,11 +213,15 @@ def build_pipeline(p: beam.Pipeline, config: dict[str, Any]) -> ClicksJob:
         >> HotKeyAggregate(
             SessionClicksFn(),
             windowfn=Sessions(int(sessions_conf.get("gap_s", 600))),
-            # A stream fans these out; a bounded batch run lifts every key (partial sessions per bundle) instead.
-            hot_keys=sessions_conf.get("hot_keys") or (),
+            # A bounded batch run lifts every key (partial sessions per bundle, merged per key); hot keys are for the
+            # windowed strategy, which the job no longer uses on a stream.
+            hot_keys=(sessions_conf.get("hot_keys") or ()) if bounded else (),
             fanout=int(sessions_conf.get("fanout", 16)),
             allowed_lateness=int(sessions_conf.get("allowed_lateness_s", 0)),
             shard_by=lambda e: e["event_id"],
+            # A stream writes each bundle's partial sessions and WriteSessions merges them with the stored ones:
+            # no window state or firing bursts in the way of checkpoints, and no event is too late to count.
+            strategy="auto" if bounded else "bundle_partials",
         )
     )
     # Merged with the stored sessions they touch (superseded windows, earlier runs, replays) in one transaction.
@@ -249,11 +258,26 @@ def build_pipeline(p: beam.Pipeline, config: dict[str, Any]) -> ClicksJob:
     return ClicksJob(records, dedup.unique, dead_letters, dedup.quarantine, sessions)
 
 
+def _first_copy_table(config: dict[str, Any], streaming: bool) -> FirstCopyTable | None:
+    """The dedup's PostgreSQL table for ``dedup.strategy: store``, and for ``auto`` on a stream: on portable runners
+    per-key state is a blocking round trip per event, the table one transaction per bundle (and exact across
+    restores and separate runs). ``auto`` on bounded runs keeps the grouped path (fastest on the local runner)."""
+    strategy = (config.get("dedup") or {}).get("strategy", "auto")
+    if strategy == "store" or (strategy == "auto" and streaming):
+        return FirstCopyTable(config["postgres"]["dsn"], config["postgres"].get("first_copies_table", "first_copies"))
+    return None
+
+
 def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(prog="python -m pipelines.clicks", description=__doc__.split("\n")[0])
     parser.add_argument("--conf", default=DEFAULT_CONF, help="job configuration YAML (default: %(default)s)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     parser.add_argument("--runner", default="DirectRunner", help="DirectRunner (pinned local runner) or FlinkRunner")
+    parser.add_argument(
+        "--attached",
+        action="store_true",
+        help="FlinkRunner: wait until the job ends (default: return once it runs; LOOPBACK jobs always wait)",
+    )
     return parser.parse_known_args(argv)
 
 
@@ -276,12 +300,36 @@ def pipeline_options(runner: str, beam_args: Sequence[str], config: dict[str, An
 
 
 def run_with_config(
-    config: dict[str, Any], runner: str = "DirectRunner", beam_args: Sequence[str] = ()
+    config: dict[str, Any], runner: str = "DirectRunner", beam_args: Sequence[str] = (), attached: bool = True
 ) -> PipelineResult:
-    """Builds and runs the job for an already resolved config; waits until it finishes."""
+    """Builds and runs the job for an already resolved config.
+
+    Waits until it finishes, except a Flink job with ``attached=False`` whose workers run beside the TaskManagers:
+    that returns once the job runs, and the job goes on without this process.
+    """
+    flink = config.get("flink") or {}
+    if runner == "FlinkRunner":
+        from runners.flink import SubmissionError, check_reachable
+
+        flink.setdefault("job_name", config.get("job", {}).get("name"))
+        try:
+            check_reachable(flink)
+        except SubmissionError as exc:
+            raise SystemExit(f"beamflow: {exc}") from None
     p = beam.Pipeline(options=pipeline_options(runner, beam_args, config))
     build_pipeline(p, config)
     result = p.run()
+    if runner == "FlinkRunner" and not attached:
+        from runners.flink import environment_kind, wait_until_running
+
+        if environment_kind(flink.get("environment", "LOOPBACK")) != "LOOPBACK":
+            state = wait_until_running(result)
+            _LOG.info(
+                "job %s is %s on the Flink cluster; this process may exit (`beamflow flink jobs` lists it)",
+                flink.get("job_name"),
+                state,
+            )
+            return result
     result.wait_until_finish()
     return result
 
@@ -309,7 +357,7 @@ def for_runner(config: dict[str, Any], runner: str) -> dict[str, Any]:
 def run(argv: Sequence[str] | None = None) -> PipelineResult:
     args, beam_args = parse_args(list(sys.argv[1:] if argv is None else argv))
     config = for_runner(load_config(args.conf, args.set), args.runner)
-    return run_with_config(resolve_auto(config), args.runner, beam_args)
+    return run_with_config(resolve_auto(config), args.runner, beam_args, attached=args.attached)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -320,4 +368,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the importable module, not this __main__ copy: the job's functions are then pickled by reference to
+    # pipelines.clicks, which Python workers beside the TaskManagers import, instead of by value without their globals.
+    from pipelines.clicks import main as _main
+
+    sys.exit(_main())

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -14,11 +14,23 @@ from apache_beam.transforms.trigger import DefaultTrigger
 from apache_beam.transforms.userstate import ReadModifyWriteStateSpec, TimerSpec, on_timer
 from apache_beam.transforms.window import GlobalWindows, TimestampedValue
 from apache_beam.utils.timestamp import Duration, Timestamp
+from apache_beam.utils.windowed_value import WindowedValue
 
 from transforms._global_window import in_global_window
 from transforms._run_mode import is_batch_bounded
 
-__all__ = ["METRICS_NAMESPACE", "DeduplicateEvents", "DeduplicateResult", "QuarantinedEvent"]
+__all__ = [
+    "METRICS_NAMESPACE",
+    "STRATEGIES",
+    "DeduplicateEvents",
+    "DeduplicateResult",
+    "FirstCopyTable",
+    "QuarantinedEvent",
+    "kafka_position",
+]
+
+# auto: store when a table is given, else grouped for bounded input in a batch run, else state.
+STRATEGIES = ("auto", "state", "grouped", "store")
 
 METRICS_NAMESPACE = "beamflow.deduplicate"
 
@@ -182,6 +194,115 @@ class _FirstCopyPerGroup(beam.DoFn):
         return in_global_window(event, timestamp) if self._global_window else TimestampedValue(event, timestamp)
 
 
+@dataclass(frozen=True)
+class FirstCopyTable:
+    """Where the ``store`` strategy records each id's first copy: a PostgreSQL DSN and a table (created if missing)."""
+
+    dsn: str
+    table: str
+
+
+def kafka_position(event: Any) -> tuple[str, int, int]:
+    """(topic, partition, offset) from an event's ``_kafka`` mapping (what the clicks job's events carry)."""
+    kafka = event["_kafka"]
+    return kafka["topic"], kafka["partition"], kafka["offset"]
+
+
+class _FirstCopyFromStore(beam.DoFn):
+    """The ``store`` strategy: each bundle's copies are claimed in one transaction (``FirstCopyStore``), then passed
+    on or quarantined with their own timestamps and windows. No shuffle, no per-key state, no timers."""
+
+    def __init__(
+        self,
+        table: FirstCopyTable,
+        ttl: Duration,
+        id_of: Callable[[Any], Hashable | None],
+        what: str,
+        position_of: Callable[[Any], tuple[str, int, int]],
+        max_batch: int = 5000,
+    ) -> None:
+        self._table = table
+        self._ttl_ms = ttl.micros // 1000
+        self._id_of = id_of
+        self._what = what
+        self._position_of = position_of
+        self._max_batch = max_batch
+        self._unique = Metrics.counter(METRICS_NAMESPACE, "unique")
+        self._duplicates = Metrics.counter(METRICS_NAMESPACE, "duplicates")
+        self._missing = Metrics.counter(METRICS_NAMESPACE, "missing_id")
+
+    def setup(self) -> None:
+        from beamflow.postgres.first_copies import FirstCopyStore
+        from beamflow.postgres.writer import open_pool
+
+        self._pool = open_pool(self._table.dsn)
+        self._store = FirstCopyStore(self._pool, self._table.table, self._ttl_ms)
+        self._store.create()
+
+    def teardown(self) -> None:
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.close()
+
+    def start_bundle(self) -> None:
+        self._batch: list[tuple[Any, Any, Any, Any]] = []
+
+    def process(
+        self, event: Any, timestamp: Any = beam.DoFn.TimestampParam, window: Any = beam.DoFn.WindowParam
+    ) -> Iterator[Any]:
+        from beamflow.postgres.first_copies import Copy
+
+        try:
+            event_id = self._id_of(event)
+            error = "id is None"
+        except (KeyError, TypeError, AttributeError) as exc:
+            event_id, error = None, f"{type(exc).__name__}: {exc}"
+        reason = None
+        if event_id is None:
+            self._missing.inc()
+            reason = f"missing event id ({self._what}; {error})"
+        else:
+            try:
+                topic, partition, offset = self._position_of(event)
+            except (KeyError, TypeError, AttributeError, ValueError) as exc:
+                reason = f"no Kafka coordinates to tell replays from copies ({type(exc).__name__}: {exc})"
+        if reason is not None:
+            quarantined = QuarantinedEvent(event, event_id, reason, timestamp)
+            yield beam.pvalue.TaggedOutput(_QUARANTINE, WindowedValue(quarantined, timestamp, (window,)))
+            return
+        copy = Copy(str(event_id), topic, int(partition), int(offset), timestamp.micros // 1000)
+        self._batch.append((copy, event, timestamp, window))
+        if len(self._batch) >= self._max_batch:
+            yield from self._flush()
+
+    def finish_bundle(self) -> Iterator[Any]:
+        yield from self._flush()
+
+    def _flush(self) -> Iterator[Any]:
+        batch, self._batch = self._batch, []
+        if not batch:
+            return
+        verdicts = self._store.claim([copy for copy, _, _, _ in batch])
+        unique = 0
+        for (copy, event, timestamp, window), verdict in zip(batch, verdicts, strict=True):
+            if verdict.first:
+                unique += 1
+                yield WindowedValue(event, timestamp, (window,))
+                continue
+            first_seen = Timestamp(micros=verdict.first_ms * 1000)
+            quarantined = QuarantinedEvent(
+                event,
+                copy.event_id,
+                f"duplicate of event id {copy.event_id!r} first seen at {first_seen.to_rfc3339()}",
+                timestamp,
+                first_seen,
+            )
+            yield beam.pvalue.TaggedOutput(_QUARANTINE, WindowedValue(quarantined, timestamp, (window,)))
+        self._unique.inc(unique)
+        if unique < len(batch):
+            self._duplicates.inc(len(batch) - unique)
+
+
 def _time_then_coordinates(timed: tuple[Timestamp, Any]) -> tuple[Timestamp, int, int]:
     timestamp, event = timed
     kafka = event.get("_kafka") if isinstance(event, Mapping) else None
@@ -227,7 +348,16 @@ class DeduplicateEvents(beam.PTransform):
     on a stream whose watermark follows event time. Outputs keep each event's own timestamp and window. Unbounded or
     streaming input keeps the stateful path.
 
-    Needs: a keyed stateful ParDo, or on bounded input a GroupByKey (either way a shuffle by event id).
+    Strategy ``store`` (``table=FirstCopyTable(dsn, table)``; chosen by ``auto`` whenever a table is given): each
+    bundle's copies are claimed in one PostgreSQL transaction, keyed by the copy's Kafka coordinates
+    (``position_fn``, default ``kafka_position``), so a replayed copy gets the same answer in every attempt. "First"
+    is the earliest copy by event time among those not yet recorded; a copy at or past ``first + ttl`` is kept.
+    No shuffle, state or timers: the path for streaming jobs on portable runners, where per-key state costs a
+    blocking round trip per event, and for bounded runs that continue earlier ones (duplicates across runs are
+    caught too). The guarantee holds across restores, upgrades and separate runs that share the table.
+
+    Needs: a keyed stateful ParDo, or on bounded input a GroupByKey (either way a shuffle by event id); or, for
+    ``store``, PostgreSQL and events that carry their Kafka coordinates.
     Deduplication is per window: apply it to globally windowed input (before ``WindowInto``) for stream-wide
     deduplication; in fixed windows, copies in different windows are not compared.
 
@@ -235,6 +365,10 @@ class DeduplicateEvents(beam.PTransform):
         id_field: the mapping key that holds the event id (used when ``id_fn`` is not given).
         id_fn: a function event -> id, for events that are not mappings.
         ttl: how long (event time) after the first copy later copies are still recognised.
+        strategy: ``auto`` (the rule above), ``state``, ``grouped`` (refused unless the input is bounded in a batch
+            run) or ``store``.
+        table: the ``store`` strategy's PostgreSQL table.
+        position_fn: event -> (topic, partition, offset), for ``store``.
     """
 
     def __init__(
@@ -243,8 +377,20 @@ class DeduplicateEvents(beam.PTransform):
         id_fn: Callable[[Any], Hashable | None] | None = None,
         ttl: Duration | int | float = Duration(seconds=24 * 3600),
         label: str | None = None,
+        strategy: str = "auto",
+        table: FirstCopyTable | None = None,
+        position_fn: Callable[[Any], tuple[str, int, int]] = kafka_position,
     ) -> None:
         super().__init__(label)
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+        if strategy == "store" and table is None:
+            raise ValueError("strategy 'store' needs table=FirstCopyTable(dsn, table)")
+        if table is not None and strategy not in ("auto", "store"):
+            raise ValueError(f"table is used only by the store strategy, not {strategy!r}")
+        self._strategy = "store" if table is not None else strategy
+        self._table = table
+        self._position_of = position_fn
         self._ttl = ttl if isinstance(ttl, Duration) else Duration.of(ttl)
         if self._ttl <= Duration(0):
             raise ValueError(f"ttl must be positive, got {self._ttl}")
@@ -256,7 +402,15 @@ class DeduplicateEvents(beam.PTransform):
             self._what = f"field {id_field!r}"
 
     def expand(self, events: beam.PCollection) -> DeduplicateResult:
-        grouped = _can_group(events)
+        if self._strategy == "store":
+            assert self._table is not None
+            first = events | "FirstCopyFromStore" >> beam.ParDo(
+                _FirstCopyFromStore(self._table, self._ttl, self._id_of, self._what, self._position_of)
+            ).with_outputs(_QUARANTINE, main=_UNIQUE)
+            return DeduplicateResult(first[_UNIQUE], first[_QUARANTINE])
+        grouped = _can_group(events) if self._strategy == "auto" else self._strategy == "grouped"
+        if grouped and not _can_group(events):
+            raise ValueError("strategy 'grouped' needs bounded input in a batch run with non-merging default windows")
         keyed = events | "KeyById" >> beam.ParDo(_KeyById(self._id_of, self._what, with_time=grouped)).with_outputs(
             _QUARANTINE, main="keyed"
         )

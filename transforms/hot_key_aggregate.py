@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 import zlib
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
@@ -483,6 +484,37 @@ class _MergePartialSessions(beam.DoFn):
             )
 
 
+class _PartialRows(beam.DoFn):
+    """``bundle_partials``: each (key, (start, end, accumulator)) partial as a ``WindowedAggregate`` row."""
+
+    def __init__(self, combine_fn: CombineFn) -> None:
+        self._fn = _CountingCombineFn(combine_fn, "direct")
+
+    def setup(self) -> None:
+        self._fn.setup()
+
+    def teardown(self) -> None:
+        self._fn.teardown()
+
+    def process(self, element: tuple[Any, tuple[int, int, Any]]) -> Any:
+        key, (start_micros, end_micros, accumulator) = element
+        value, count = self._fn.extract_output(accumulator)
+        yield WindowedAggregate(
+            key=key,
+            window_start=Timestamp(micros=start_micros),
+            window_end=Timestamp(micros=end_micros),
+            value=value,
+            input_count=count,
+            pane_index=0,
+            is_first=True,
+            is_last=False,
+            timing="PARTIAL",
+        )
+
+
+STRATEGIES = ("auto", "windowed", "lifted", "bundle_partials")
+
+
 class HotKeyAggregate(beam.PTransform):
     """Windowed CombinePerKey that fans out only hot keys over ``fanout`` shards, in two stages.
 
@@ -533,8 +565,20 @@ class HotKeyAggregate(beam.PTransform):
     compares the two, with partials flushed after every input too). Streaming runs (where late panes happen) and
     ``FixedWindows`` keep the windowed path with fanout.
 
+    Strategy ``bundle_partials`` (Sessions only, any run, chosen explicitly): each bundle's partial sessions per key,
+    emitted as rows (pane index 0, timing ``PARTIAL``) without merging across bundles: no shuffle, window state,
+    timers or ledger. The rows are partial sessions, not sessions: use it only in front of a sink that merges
+    overlapping partials itself and counts each input once, e.g. ``WriteSessions`` (merging by the inputs' Kafka
+    coordinates in one transaction). Nothing is ever too late there (``allowed_lateness``, ``hot_keys``,
+    ``detect`` and ``fanout`` have no effect). Why: on a Flink stream the windowed path keeps every input in
+    merging-window state and fires sessions in bursts when the watermark moves, which holds checkpoint barriers
+    back on a backlog (issue 13); partials cost one pass per bundle.
+
+    Strategies: ``auto`` (bounded Sessions in a batch run: lifted; otherwise windowed), ``windowed``, ``lifted``
+    (bounded Sessions in a batch run only), ``bundle_partials``.
+
     Needs: the windowing given here (not upstream triggers); a keyed stateful step over result rows (the pane
-    ledger, one shuffle of rows, not of events), except on the bounded Sessions path.
+    ledger, one shuffle of rows, not of events), except on the bounded Sessions path and ``bundle_partials``.
     """
 
     def __init__(
@@ -547,8 +591,18 @@ class HotKeyAggregate(beam.PTransform):
         allowed_lateness: Duration | int | float = 0,
         shard_by: Callable[[Any], Any] | None = None,
         label: str | None = None,
+        strategy: str = "auto",
     ) -> None:
         super().__init__(label)
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+        if strategy in ("lifted", "bundle_partials") and not isinstance(windowfn, Sessions):
+            raise ValueError(f"strategy {strategy!r} needs Sessions windows")
+        if strategy == "bundle_partials" and (hot_keys or detect):
+            warnings.warn(
+                "HotKeyAggregate: hot_keys and detect have no effect with strategy bundle_partials", stacklevel=2
+            )
+        self._strategy = strategy
         if not isinstance(combine_fn, CombineFn):
             raise TypeError(f"combine_fn must be a CombineFn (two stages need its accumulators), got {combine_fn!r}")
         if not isinstance(windowfn, FixedWindows | Sessions):
@@ -577,7 +631,19 @@ class HotKeyAggregate(beam.PTransform):
         )
 
     def expand(self, pairs: beam.PCollection) -> beam.PCollection:
-        if isinstance(self._windowfn, Sessions) and is_batch_bounded(pairs):
+        if self._strategy == "bundle_partials":
+            assert isinstance(self._windowfn, Sessions)
+            if not pairs.windowing.is_default():
+                pairs = pairs | "SessionInputsGlobal" >> beam.WindowInto(GlobalWindows())
+            return (
+                pairs
+                | "PartialSessions" >> beam.ParDo(_PartialSessionsPerBundle(self._combine_fn, self._windowfn.gap_size))
+                | "PartialRows" >> beam.ParDo(_PartialRows(self._combine_fn))
+            )
+        lifted = isinstance(self._windowfn, Sessions) and is_batch_bounded(pairs)
+        if self._strategy == "lifted" and not lifted:
+            raise ValueError("strategy 'lifted' needs bounded input in a batch run")
+        if lifted and self._strategy != "windowed":
             return self._lifted_sessions(pairs, self._windowfn.gap_size)
         side_inputs: dict[str, Any] = {}
         if self._detect is not None:

@@ -13,6 +13,14 @@ with the idempotent or exactly-once sinks so replays after a failure leave no du
 
 Needs: a reachable broker; ``assign``/``seek`` only, so no consumer-group membership and no rebalances.
 
+What bounds the work between two checkpoint barriers on Flink (``docs/streaming.md``): Beam's Flink runner never
+asks a Python read to split, so each ``process`` call ends by itself, after ``max_bundle_records`` records or
+``max_bundle_seconds`` (then ``defer_remainder``); the runner resumes the partition only after that bundle ended. The
+read stage passes a barrier once what its call emitted was handed downstream, and each later Python stage once it
+processed its open bundle (``max_bundle_size`` elements). A streaming read therefore ends its stage at a rebalance
+(its own finalizing bundles stay small, see ``expand``) and should take about a second of the job's throughput per
+call; ``beamflow doctor`` flags settings that bring a backlog stall back.
+
 Example::
 
     import apache_beam as beam

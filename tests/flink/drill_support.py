@@ -80,19 +80,19 @@ def drill_config(
     # Sessions close 20 s of event time after a user's last click, so they are written while the drill runs.
     config["sessions"].update(gap_s=20)
     config["_rest_url"] = flink.info["rest_url"]  # for the drills only; the job ignores unknown top-level keys
-    config["flink"].update(
-        job_endpoint=flink.info["job_endpoint"],
-        environment="LOOPBACK",
-        files_to_stage=[flink.info["marker_jar"]],
-        parallelism=1,
-        checkpointing_interval_ms=3000,
-        max_bundle_time_ms=3000,
-        min_pause_between_checkpoints_ms=1000,
-        checkpoint_timeout_ms=60000,
-        retained_checkpoints=True,
-        restart_strategy={"type": "fixed-delay", "attempts": 20, "delay_ms": 2000},
-        **flink_overrides,
-    )
+    settings: dict[str, Any] = {
+        "job_endpoint": flink.info["job_endpoint"],
+        "environment": "LOOPBACK",
+        "files_to_stage": [flink.info["marker_jar"]],
+        "parallelism": 1,
+        "checkpointing_interval_ms": 3000,
+        "max_bundle_time_ms": 3000,
+        "min_pause_between_checkpoints_ms": 1000,
+        "checkpoint_timeout_ms": 60000,
+        "retained_checkpoints": True,
+        "restart_strategy": {"type": "fixed-delay", "attempts": 20, "delay_ms": 2000},
+    }
+    config["flink"].update({**settings, **flink_overrides})
     return config
 
 

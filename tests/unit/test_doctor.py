@@ -43,8 +43,38 @@ def test_seed_002_timeout_raised_to_30_minutes_and_full_snapshots() -> None:
     )
     codes = _codes(config)
     assert {"checkpoint-timeout-far-above-interval", "no-min-pause", "non-incremental-state"} <= codes
-    # With the 5-minute checkpoint interval, the shipped 10 s bundles commit Iceberg far more often than that.
-    assert "sink-commit-shorter-than-checkpoint" in codes
+    # With the 5-minute checkpoint interval, the shipped 1 s bundles commit Iceberg far more often than that.
+    assert "iceberg-commit-per-bundle" in codes
+
+
+def test_issue_13_settings_that_bring_the_backlog_stall_back() -> None:
+    shipped = _codes(load_config(CONF))
+    stall = {
+        "bundle-swallows-backlog",
+        "read-call-swallows-backlog",
+        "read-polls-too-rarely",
+        "loopback-workers",
+        "per-event-state-round-trips",
+        "no-tolerated-checkpoint-failures",
+    }
+    assert not stall & shipped
+    # What the first wave shipped: 100,000-element / 10 s bundles, 20,000 records per read call, LOOPBACK at
+    # parallelism 2, per-key dedup state, no tolerated checkpoint failure.
+    before = load_config(
+        CONF,
+        [
+            "flink.max_bundle_size=100000",
+            "flink.max_bundle_time_ms=10000",
+            "kafka.max_bundle_records=20000",
+            "flink.environment=LOOPBACK",
+            "dedup.strategy=state",
+            "flink.tolerable_failed_checkpoints=null",
+        ],
+    )
+    findings = {f.code: f for f in check_config(before)}
+    assert stall <= set(findings)
+    assert findings["bundle-swallows-backlog"].severity == "error"
+    assert findings["loopback-workers"].severity == "warning"  # parallelism 2 in one interpreter
 
 
 def test_bundles_left_open_across_checkpoints_let_offsets_run_ahead_of_the_sinks() -> None:
