@@ -521,26 +521,28 @@ def _combined_traffic(backlog: Any, live: LiveProducer) -> Any:
 
 
 def iceberg_first_seen(config: dict[str, Any]) -> dict[str, int]:
-    """event id -> commit time (ms) of the first snapshot whose added data files hold it."""
+    """event id -> commit time (ms) of the snapshot that added the data file holding it.
+
+    Read from the current snapshot's live manifest entries: each entry keeps the id of the snapshot that added its
+    file, also after manifests were merged into a later snapshot's manifest (filtering manifests by their own
+    ``added_snapshot_id`` misses those files).
+    """
     import pyarrow.parquet as pq
-    from pyiceberg.manifest import ManifestEntryStatus
 
     from beamflow.iceberg.catalog import CatalogConfig, open_catalog
 
     ice = config["iceberg"]
     catalog = open_catalog(CatalogConfig(warehouse=ice["catalog"]["warehouse"], uri=ice["catalog"]["uri"]))
     table = catalog.load_table(ice["table"])
+    committed_ms = {s.snapshot_id: s.timestamp_ms for s in table.snapshots()}
+    current = table.current_snapshot()
     seen: dict[str, int] = {}
-    for snapshot in sorted(table.snapshots(), key=lambda s: s.timestamp_ms):
-        for manifest in snapshot.manifests(table.io):
-            if manifest.added_snapshot_id != snapshot.snapshot_id:
-                continue
-            for entry in manifest.fetch_manifest_entry(table.io, discard_deleted=True):
-                if entry.status != ManifestEntryStatus.ADDED:
-                    continue
-                path = entry.data_file.file_path.removeprefix("file://")
-                for event_id in pq.read_table(path, columns=["event_id"])["event_id"].to_pylist():
-                    seen.setdefault(event_id, snapshot.timestamp_ms)
+    for manifest in current.manifests(table.io) if current else []:
+        for entry in manifest.fetch_manifest_entry(table.io, discard_deleted=True):
+            at = committed_ms.get(entry.snapshot_id or -1, current.timestamp_ms if current else 0)
+            path = entry.data_file.file_path.removeprefix("file://")
+            for event_id in pq.read_table(path, columns=["event_id"])["event_id"].to_pylist():
+                seen[event_id] = min(at, seen.get(event_id, at))
     return seen
 
 
@@ -634,7 +636,7 @@ def run_streaming(
 
     backlog_ids = [event_id_from_fields(r.event, EVENT_ID_FIELDS) for r in backlog.records if r.kind == "event"]
     missing = sum(1 for i in backlog_ids if i not in first_seen)
-    iceberg_at = max(first_seen.get(i, 0) for i in backlog_ids) / 1000 - running_at
+    iceberg_at = max((first_seen[i] for i in backlog_ids if i in first_seen), default=0) / 1000 - running_at
     caught = max(sampler.committed_at_end or 0, sampler.pg_backlog_at or 0, iceberg_at)
     total_backlog = sum(backlog_end.values())
     committed_at_catch_up = next((c for t, c, _ in sampler.offsets if t >= caught), sampler.offsets[-1][1])
