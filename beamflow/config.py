@@ -90,6 +90,8 @@ def resolve_auto(config: dict[str, Any], services: Any = None) -> dict[str, Any]
         state = need("flink")
         if flink.get("job_endpoint") == "auto":
             flink["job_endpoint"] = f"127.0.0.1:{state.ports['job']}"
+            # So a detached submission can wait until Flink itself runs the job (runners.flink.wait_until_running).
+            flink.setdefault("rest_url", f"http://127.0.0.1:{state.ports['rest']}")
         if flink.get("master") == "auto":
             flink["master"] = f"127.0.0.1:{state.ports['rest']}"
         if flink.get("files_to_stage") == "auto":

@@ -117,8 +117,12 @@ def reset_job_state(config: dict[str, Any]) -> None:
             time.sleep(0.5)
     pg = config["postgres"]
     with psycopg.connect(pg["dsn"], autocommit=True) as conn:
-        for key in ("sessions_table", "dead_letters_table", "quarantine_table"):
-            conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(pg[key])))
+        from pipelines.clicks import first_copies_table
+
+        for name in [pg[k] for k in ("sessions_table", "dead_letters_table", "quarantine_table")] + [
+            first_copies_table(pg)
+        ]:
+            conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(name)))
     ice = config["iceberg"]
     catalog = open_catalog(CatalogConfig(warehouse=ice["catalog"]["warehouse"], uri=ice["catalog"].get("uri", "")))
     with contextlib.suppress(Exception):

@@ -185,7 +185,8 @@ def build_pipeline(p: beam.Pipeline, config: dict[str, Any]) -> ClicksJob:
     )
     dedup = events | "Deduplicate" >> DeduplicateEvents(
         ttl=int(dedup_conf.get("ttl_s", 86400)),
-        table=_first_copy_table(config, streaming=not bounded),
+        table=_first_copy_table(config),
+        strategy=dedup_conf.get("strategy", "auto"),
     )
 
     catalog = CatalogConfig(warehouse=ice["catalog"]["warehouse"], uri=ice["catalog"].get("uri", ""))
@@ -258,13 +259,22 @@ def build_pipeline(p: beam.Pipeline, config: dict[str, Any]) -> ClicksJob:
     return ClicksJob(records, dedup.unique, dead_letters, dedup.quarantine, sessions)
 
 
-def _first_copy_table(config: dict[str, Any], streaming: bool) -> FirstCopyTable | None:
-    """The dedup's PostgreSQL table for ``dedup.strategy: store``, and for ``auto`` on a stream: on portable runners
-    per-key state is a blocking round trip per event, the table one transaction per bundle (and exact across
-    restores and separate runs). ``auto`` on bounded runs keeps the grouped path (fastest on the local runner)."""
+def first_copies_table(postgres: dict[str, Any]) -> str:
+    """The dedup's table of first copies: ``postgres.first_copies_table``, else ``<quarantine_table>_first_copies``."""
+    return str(postgres.get("first_copies_table") or f"{postgres['quarantine_table']}_first_copies")
+
+
+def _first_copy_table(config: dict[str, Any]) -> FirstCopyTable | None:
+    """The dedup's PostgreSQL table for ``dedup.strategy`` ``auto`` (the default) or ``store``.
+
+    Why the store in every mode: on portable runners per-key state is a blocking round trip per event, while the
+    table is one transaction per bundle; and it remembers first copies across restores and across bounded runs, so a
+    duplicate whose original came in an earlier run is quarantined too (a per-run grouping cannot see it, and the
+    sessions would count it twice). ``grouped`` and ``state`` keep the runner-only strategies.
+    """
     strategy = (config.get("dedup") or {}).get("strategy", "auto")
-    if strategy == "store" or (strategy == "auto" and streaming):
-        return FirstCopyTable(config["postgres"]["dsn"], config["postgres"].get("first_copies_table", "first_copies"))
+    if strategy in ("auto", "store"):
+        return FirstCopyTable(config["postgres"]["dsn"], first_copies_table(config["postgres"]))
     return None
 
 
@@ -323,10 +333,11 @@ def run_with_config(
         from runners.flink import environment_kind, wait_until_running
 
         if environment_kind(flink.get("environment", "LOOPBACK")) != "LOOPBACK":
-            state = wait_until_running(result)
+            job_name = p.options.get_all_options(retain_unknown_options=True).get("job_name") or flink.get("job_name")
+            state = wait_until_running(result, job_name, flink.get("rest_url"))
             _LOG.info(
                 "job %s is %s on the Flink cluster; this process may exit (`beamflow flink jobs` lists it)",
-                flink.get("job_name"),
+                job_name,
                 state,
             )
             return result

@@ -125,6 +125,7 @@ _KNOWN = (
         "streaming",
         "files_to_stage",
         "fail_on_checkpointing_errors",
+        "rest_url",
     }
 )
 _STATE_BACKENDS = {"rocksdb", "hashmap"}
@@ -308,19 +309,34 @@ def _answers(address: str, timeout_s: float) -> bool:
         return False
 
 
-def wait_until_running(result: Any, timeout_s: float = 300.0, poll_s: float = 1.0) -> str:
+def wait_until_running(
+    result: Any, job_name: str | None = None, rest_url: str | None = None, timeout_s: float = 300.0
+) -> str:
     """After ``pipeline.run()`` on the job server: waits until the job runs (or ended), returns its state.
 
     A detached submission returns here: the job lives on the cluster with its workers beside the TaskManagers, so the
-    submitting process may exit (LOOPBACK workers would die with it, so LOOPBACK jobs are always waited for).
+    submitting process may exit (LOOPBACK workers would die with it, so LOOPBACK jobs are always waited for). Beam's
+    job server says RUNNING as soon as it starts handing the job to Flink, 15-20 s before Flink has it; with the
+    cluster's REST address (``flink.rest_url``) this also waits until Flink runs a job of that name.
     """
     import time
 
     deadline = time.monotonic() + timeout_s
     while True:
         state = str(result.state)
-        if state in ("RUNNING", "DONE", "FAILED", "CANCELLED", "UPDATED", "DRAINED"):
+        if state in ("DONE", "FAILED", "CANCELLED", "UPDATED", "DRAINED"):
+            return state
+        if state == "RUNNING" and (not rest_url or not job_name or _flink_runs(rest_url, job_name)):
             return state
         if time.monotonic() > deadline:
             raise SubmissionError(f"the job did not start within {timeout_s:.0f}s (last state {state})")
-        time.sleep(poll_s)
+        time.sleep(1.0)
+
+
+def _flink_runs(rest_url: str, job_name: str) -> bool:
+    from beamflow.flink_rest import FlinkRest
+
+    try:
+        return any(job.name == job_name and job.state == "RUNNING" for job in FlinkRest(rest_url, timeout=5).jobs())
+    except Exception:  # the REST API may be slow under load: keep waiting until the deadline
+        return False

@@ -640,11 +640,12 @@ class HotKeyAggregate(beam.PTransform):
                 | "PartialSessions" >> beam.ParDo(_PartialSessionsPerBundle(self._combine_fn, self._windowfn.gap_size))
                 | "PartialRows" >> beam.ParDo(_PartialRows(self._combine_fn))
             )
-        lifted = isinstance(self._windowfn, Sessions) and is_batch_bounded(pairs)
+        sessions = self._windowfn if isinstance(self._windowfn, Sessions) else None
+        lifted = sessions is not None and is_batch_bounded(pairs)
         if self._strategy == "lifted" and not lifted:
             raise ValueError("strategy 'lifted' needs bounded input in a batch run")
-        if lifted and self._strategy != "windowed":
-            return self._lifted_sessions(pairs, self._windowfn.gap_size)
+        if sessions is not None and lifted and self._strategy != "windowed":
+            return self._lifted_sessions(pairs, sessions.gap_size)
         side_inputs: dict[str, Any] = {}
         if self._detect is not None:
             if isinstance(self._windowfn, Sessions):

@@ -383,8 +383,11 @@ class _ReadPartitionFn(beam.DoFn, _PartitionRestrictions, _PartitionWatermarks):
                         tracker.defer_remainder(Duration(seconds=0))
                         return
             finally:
-                if config.commit_offsets and last_claimed is not None:
-                    next_offset = last_claimed + 1
+                if config.commit_offsets:
+                    # Also when nothing was read: on a stream a finalization round is what commits the previous
+                    # round's offsets, so a partition that went quiet must keep marking rounds, or its last offsets
+                    # would never be committed (the group would lag forever behind a caught-up job).
+                    next_offset = restriction.start if last_claimed is None else last_claimed + 1
                     bundle_finalizer.register(lambda: self._finalized(tp, next_offset))
                 self._report(tp, consumer, restriction, last_claimed, emitted, watermark)
 

@@ -29,6 +29,7 @@ binds its job and artifact-staging ports on all interfaces (the expansion port d
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import signal
@@ -448,7 +449,7 @@ class FlinkService(LocalService):
             "job_server": self._start_job_server,
         }
         for index in range(1, int(state.info.get("taskmanagers", 1)) + 1):
-            starters[_taskmanager_role(index)] = lambda ports, i=index: self._start_taskmanager(ports, i)
+            starters[_taskmanager_role(index)] = functools.partial(self._start_taskmanager, index=index)
         start = starters.get(role)
         if start is None:
             raise ServiceError(f"unknown Flink role {role!r}; known: {', '.join(starters)}")

@@ -82,6 +82,7 @@ def drill_config(
     config["_rest_url"] = flink.info["rest_url"]  # for the drills only; the job ignores unknown top-level keys
     settings: dict[str, Any] = {
         "job_endpoint": flink.info["job_endpoint"],
+        "rest_url": flink.info["rest_url"],
         "environment": "LOOPBACK",
         "files_to_stage": [flink.info["marker_jar"]],
         "parallelism": 1,
@@ -138,7 +139,7 @@ class DrillJob:
         while self.job_id is None:
             if time.monotonic() > deadline:
                 raise AssertionError(f"{self.job_name} not submitted after {timeout}s; see {self.log_path}")
-            if self.proc.poll() is not None:
+            if self.proc.poll() not in (None, 0):  # a detached submitter exits 0 once Flink runs the job
                 raise AssertionError(f"{self.job_name} submitter exited {self.proc.returncode}: {self.log_tail()}")
             with contextlib.suppress(Exception):
                 for job in self.rest.jobs():
@@ -469,12 +470,62 @@ def check_exactly_once(config: dict[str, Any], traffic: GeneratedTraffic) -> lis
     duplicate_sessions = session_key_duplicates(config)
     if duplicate_sessions:
         problems.append(f"{duplicate_sessions} duplicate session keys in PostgreSQL")
-    for sink, kind in (("iceberg", "event"), ("quarantine", "duplicate"), ("dead", "bad")):
+    for sink in ("iceberg", "quarantine", "dead"):
         got = held[sink]
         if len(got) != len(set(got)):
             problems.append(f"{sink}: {len(got) - len(set(got))} coordinates held twice")
-        if set(got) != expected[kind]:
-            missing = sorted(expected[kind] - set(got))
-            extra = sorted(set(got) - expected[kind])
-            problems.append(f"{sink}: missing {len(missing)} {missing[:5]}, unexpected {len(extra)} {extra[:5]}")
+    dead = set(held["dead"])
+    if dead != expected["bad"]:
+        problems.append(
+            f"dead: missing {sorted(expected['bad'] - dead)[:5]}, unexpected {sorted(dead - expected['bad'])[:5]}"
+        )
+    problems.extend(_copies_kept_once(traffic, set(held["iceberg"]), set(held["quarantine"])))
     return problems
+
+
+def _copies_kept_once(
+    traffic: GeneratedTraffic, iceberg: set[tuple[int, int]], quarantine: set[tuple[int, int]]
+) -> list[str]:
+    """Per event, exactly one of its copies (the original and its duplicate sends) in Iceberg, the others quarantined.
+
+    Which copy is kept is the first one the job processed (a stream's dedup cannot wait for a copy that may never
+    come), so the check is per set of copies, not "the lowest offset": on a stream the copies of one event can reach
+    the dedup on different subtasks.
+    """
+    problems: list[str] = []
+    copies = event_copies(traffic)
+    kept_none, kept_twice, unquarantined = [], [], []
+    for coordinates in copies:
+        kept = [c for c in coordinates if c in iceberg]
+        if not kept:
+            kept_none.append(coordinates)
+        elif len(kept) > 1:
+            kept_twice.append(coordinates)
+        unquarantined.extend(c for c in coordinates if c not in iceberg and c not in quarantine)
+    every = {c for coordinates in copies for c in coordinates}
+    for name, got in (("iceberg", iceberg), ("quarantine", quarantine)):
+        if got - every:
+            problems.append(
+                f"{name}: {len(got - every)} coordinates of no produced event, e.g. {sorted(got - every)[:5]}"
+            )
+    if kept_none:
+        problems.append(f"{len(kept_none)} events with no copy in iceberg, e.g. {kept_none[:3]}")
+    if kept_twice:
+        problems.append(f"{len(kept_twice)} events with more than one copy in iceberg, e.g. {kept_twice[:3]}")
+    if unquarantined:
+        problems.append(f"{len(unquarantined)} duplicate copies neither kept nor quarantined, e.g. {unquarantined[:5]}")
+    if iceberg & quarantine:
+        problems.append(f"{len(iceberg & quarantine)} coordinates both in iceberg and quarantine")
+    return problems
+
+
+def event_copies(traffic: GeneratedTraffic) -> list[list[tuple[int, int]]]:
+    """The Kafka coordinates of each event's copies: the original and its duplicate sends (same event object)."""
+    next_offset: dict[int, int] = defaultdict(int)
+    by_event: dict[int, list[tuple[int, int]]] = {}
+    for record in traffic.records:
+        coordinate = (record.partition, next_offset[record.partition])
+        next_offset[record.partition] += 1
+        if record.event is not None and record.kind in ("event", "duplicate"):
+            by_event.setdefault(id(record.event), []).append(coordinate)
+    return list(by_event.values())
