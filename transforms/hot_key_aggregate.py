@@ -465,41 +465,15 @@ class _MergePartialSessions(beam.DoFn):
         key, partials = element
         for start_micros, end_micros, accumulators in _merge_spans(list(partials)):
             value, count = self._fn.extract_output(self._fn.merge_accumulators(accumulators))
-            start, end = Timestamp(micros=start_micros), Timestamp(micros=end_micros)
-            yield TimestampedValue(
-                WindowedAggregate(
-                    key=key,
-                    window_start=start,
-                    window_end=end,
-                    value=value,
-                    input_count=count,
-                    pane_index=0,
-                    is_first=True,
-                    is_last=False,
-                    timing="ON_TIME",
-                ),
-                # The window's last timestamp as the runners' coders carry it (millis): what the windowed path's
-                # rows have after their shuffles, and Java's IntervalWindow.maxTimestamp().
-                Timestamp(micros=(end_micros - 1) // 1000 * 1000),
-            )
+            yield _session_row(key, start_micros, end_micros, value, count, "ON_TIME")
 
 
-class _PartialRows(beam.DoFn):
-    """``bundle_partials``: each (key, (start, end, accumulator)) partial as a ``WindowedAggregate`` row."""
-
-    def __init__(self, combine_fn: CombineFn) -> None:
-        self._fn = _CountingCombineFn(combine_fn, "direct")
-
-    def setup(self) -> None:
-        self._fn.setup()
-
-    def teardown(self) -> None:
-        self._fn.teardown()
-
-    def process(self, element: tuple[Any, tuple[int, int, Any]]) -> Any:
-        key, (start_micros, end_micros, accumulator) = element
-        value, count = self._fn.extract_output(accumulator)
-        yield WindowedAggregate(
+def _session_row(key: Any, start_micros: int, end_micros: int, value: Any, count: int, timing: str) -> Any:
+    """A session's one row (index 0, first, not marked last), at the window's last timestamp as the runners' coders
+    carry it (millis): what the windowed path's rows have after their shuffles, and Java's
+    ``IntervalWindow.maxTimestamp()``."""
+    return TimestampedValue(
+        WindowedAggregate(
             key=key,
             window_start=Timestamp(micros=start_micros),
             window_end=Timestamp(micros=end_micros),
@@ -508,8 +482,20 @@ class _PartialRows(beam.DoFn):
             pane_index=0,
             is_first=True,
             is_last=False,
-            timing="PARTIAL",
-        )
+            timing=timing,
+        ),
+        Timestamp(micros=(end_micros - 1) // 1000 * 1000),
+    )
+
+
+class _PartialRows(_MergePartialSessions):
+    """``bundle_partials``: each (key, (start, end, accumulator)) partial as a ``WindowedAggregate`` row (timing
+    ``PARTIAL``), unmerged: the sink merges partials of one session."""
+
+    def process(self, element: tuple[Any, tuple[int, int, Any]]) -> Any:  # type: ignore[override]
+        key, (start_micros, end_micros, accumulator) = element
+        value, count = self._fn.extract_output(accumulator)
+        yield _session_row(key, start_micros, end_micros, value, count, "PARTIAL")
 
 
 STRATEGIES = ("auto", "windowed", "lifted", "bundle_partials")

@@ -255,34 +255,31 @@ class TrafficFeeder(threading.Thread):
 
 
 def sink_holdings(config: dict[str, Any]) -> dict[int, int]:
-    """Per partition, the highest offset the sinks account for: Iceberg marks, dead letters, quarantine."""
-    import psycopg
-    from psycopg import sql
+    """Per partition, the highest offset below which the sinks account for EVERY offset (a contiguous prefix).
 
-    from beamflow.iceberg.catalog import CatalogConfig, open_catalog
-    from beamflow.iceberg.committer import read_marks
+    Accounted for: an Iceberg row, a quarantined duplicate or a dead letter at that coordinate. A maximum would not
+    do: sinks fed by shuffled batches can hold offset 500 while 480 is still missing, and a commit past 480 then
+    loses it on a restart from the group's offsets. Returns the last offset of the prefix (-1: none).
+    """
+    try:
+        held = accounted_offsets(config)
+    except Exception:  # the Iceberg table appears with the first commit
+        held = {"iceberg": [], "dead": [], "quarantine": []}
+    return {p: first - 1 for p, first in contiguous_prefix(held["iceberg"] + held["dead"] + held["quarantine"]).items()}
 
-    topic = config["kafka"]["topic"]
-    held: dict[int, int] = defaultdict(lambda: -1)
-    ice = config["iceberg"]
-    catalog = open_catalog(CatalogConfig(warehouse=ice["catalog"]["warehouse"], uri=ice["catalog"]["uri"]))
-    with contextlib.suppress(Exception):  # the table appears with the first commit
-        for partition, mark in read_marks(catalog.load_table(ice["table"]), ice["sink_id"]).get(topic, {}).items():
-            held[partition] = max(held[partition], mark)
-    pg = config["postgres"]
-    with psycopg.connect(pg["dsn"], autocommit=True) as conn:
-        for key in ("dead_letters_table", "quarantine_table"):
-            with contextlib.suppress(psycopg.errors.UndefinedTable):
-                rows = conn.execute(
-                    sql.SQL("SELECT kafka_partition, max(kafka_offset) FROM {} WHERE topic = %s GROUP BY 1").format(
-                        sql.Identifier(pg[key])
-                    ),
-                    (topic,),
-                ).fetchall()
-                for partition, offset in rows:
-                    if partition is not None and offset is not None:
-                        held[int(partition)] = max(held[int(partition)], int(offset))
-    return dict(held)
+
+def contiguous_prefix(coordinates: list[tuple[int, int]]) -> dict[int, int]:
+    """Per partition, the first offset (from 0) that no coordinate covers."""
+    by_partition: dict[int, set[int]] = defaultdict(set)
+    for partition, offset in coordinates:
+        by_partition[int(partition)].add(int(offset))
+    out = {}
+    for partition, offsets in by_partition.items():
+        first = 0
+        while first in offsets:
+            first += 1
+        out[partition] = first
+    return out
 
 
 def committed_offsets(config: dict[str, Any]) -> dict[int, int]:
@@ -362,10 +359,14 @@ def accounted_offsets(config: dict[str, Any]) -> dict[str, Any]:
     pg = config["postgres"]
     with psycopg.connect(pg["dsn"], autocommit=True) as conn:
         for name, key in (("dead", "dead_letters_table"), ("quarantine", "quarantine_table")):
-            rows = conn.execute(
-                sql.SQL("SELECT kafka_partition, kafka_offset FROM {}").format(sql.Identifier(pg[key]))
-            ).fetchall()
-            out[name] = [(int(p), int(o)) for p, o in rows]
+            out[name] = []
+            with contextlib.suppress(psycopg.errors.UndefinedTable):
+                rows = conn.execute(
+                    sql.SQL("SELECT kafka_partition, kafka_offset FROM {} WHERE kafka_offset IS NOT NULL").format(
+                        sql.Identifier(pg[key])
+                    )
+                ).fetchall()
+                out[name] = [(int(p), int(o)) for p, o in rows]
     return out
 
 

@@ -501,3 +501,43 @@ def test_bounded_sessions_lifted_path_equals_windowed_path(
     assert windowed_counters["hot_elements"] > 0.2 * len(events)
     edge = [(r.window_start.micros // 10**6, r.window_end.micros // 10**6) for r, _ in grouped if r.key == "u0"]
     assert (20_000, 20_600) in edge and (20_600, 22_250) in edge
+
+
+@settings(PROPERTY, max_examples=5)
+@given(pairs=stream, gap=st.sampled_from([60, 300, 600]))
+def test_property_bundle_partials_merged_by_the_sink_equal_combine_per_key(
+    pairs: list[tuple[str, int]], gap: int
+) -> None:
+    """``bundle_partials`` rows are partial sessions; merged as a sink merges them (overlapping windows joined, values
+    added), they are the sessions of a plain CombinePerKey."""
+    events = [click(user, t, event_id=f"e{i}") for i, (user, t) in enumerate(pairs)]
+    pipeline = fn_api_pipeline()
+    keyed = pipeline | beam.Create(events) | "Timestamp" >> beam.Map(_keyed)
+    counts = beam.combiners.CountCombineFn()
+    partials = keyed | HotKeyAggregate(counts, windowfn=Sessions(gap), strategy="bundle_partials")
+    plain = (
+        keyed
+        | "PlainWindows" >> beam.WindowInto(Sessions(gap))
+        | "PlainCombine" >> beam.CombinePerKey(counts)
+        | "PlainRows" >> beam.ParDo(_plain_row)
+        | "PlainGlobal" >> beam.WindowInto(GlobalWindows())
+    )
+    got, want = collect(partials, "Partials"), collect(plain, "Plain")
+    # Partials flushed every 3 inputs, as many small bundles would: sessions arrive in pieces the merge must join.
+    flush_every, hot_key_aggregate.MAX_BUFFERED_INPUTS = hot_key_aggregate.MAX_BUFFERED_INPUTS, 3
+    try:
+        pipeline.run().wait_until_finish()
+    finally:
+        hot_key_aggregate.MAX_BUFFERED_INPUTS = flush_every
+    rows: list[WindowedAggregate] = collected(got)
+    assert rows and all(r.timing == "PARTIAL" and r.value == r.input_count for r in rows)
+    merged: list[tuple[Any, ...]] = []
+    for key in {r.key for r in rows}:
+        spans = sorted((r.window_start, r.window_end, r.value) for r in rows if r.key == key)
+        for start, end, value in spans:
+            if merged and merged[-1][0] == key and merged[-1][2] > start:
+                _, first, last, total = merged[-1]
+                merged[-1] = (key, first, max(last, end), total + value)
+            else:
+                merged.append((key, start, end, value))
+    assert sorted(merged, key=repr) == sorted(collected(want), key=repr)
