@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tarfile
 import time
+import uuid
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -326,7 +327,9 @@ class FlinkService(LocalService):
         suffix = "" if index == 1 else f"_{index}"
         argv = [
             str(self.flink_home / "bin" / "taskmanager.sh"), "start-foreground",
-            "-D", f"taskmanager.resource-id=taskmanager-{index}",
+            # Unique per start: a restarted TaskManager must register as new (the JobManager keeps listing the killed
+            # one until its heartbeat times out, and restart() waits for a registration it did not know).
+            "-D", f"taskmanager.resource-id=taskmanager-{index}-{uuid.uuid4().hex[:6]}",
             "-D", f"taskmanager.rpc.port={ports['taskmanager_rpc' + suffix]}",
             "-D", f"taskmanager.data.port={ports['taskmanager_data' + suffix]}",
             "-D", f"metrics.internal.query-service.port={ports['taskmanager_query' + suffix]}",

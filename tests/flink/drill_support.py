@@ -201,6 +201,15 @@ class DrillJob:
         return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
 
 
+def taskmanager_role_running(rest: FlinkRest, job_id: str) -> str:
+    """The FlinkService role (``taskmanager``, ``taskmanager-2``, ...) of a TaskManager that runs tasks of the job,
+    so a drill kills one that matters (resource ids are ``taskmanager-<index>-<suffix>``)."""
+    vertex = rest.job(job_id)["vertices"][-1]["id"]
+    hosts = rest._request("GET", f"/jobs/{job_id}/vertices/{vertex}/taskmanagers")["taskmanagers"]
+    index = int(str(hosts[0]["taskmanager-id"]).split("-")[1])
+    return "taskmanager" if index == 1 else f"taskmanager-{index}"
+
+
 def _rest_url(config: dict[str, Any]) -> str:
     return str(config["_rest_url"])
 

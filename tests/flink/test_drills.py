@@ -44,6 +44,7 @@ from tests.flink.drill_support import (
     drill_config,
     latest_retained_checkpoint,
     sink_counts,
+    taskmanager_role_running,
     traffic_for,
     wait_for_sinks,
 )
@@ -209,8 +210,11 @@ def live_drill(drill_services: DrillServices, tmp_path_factory: pytest.TempPathF
         feeder.pause()
         notes["before_tm_kill"] = _wait_sinks_grow(config, 0, main)
         started = time.monotonic()
-        flink_service.kill_taskmanager()
-        flink_service.restart_taskmanager()
+        assert main.job_id
+        role = taskmanager_role_running(main.rest, main.job_id)
+        notes["killed"] = role
+        flink_service.kill(role)  # its Python workers (PROCESS) or the slot's tasks (LOOPBACK) die with it
+        flink_service.restart(role)
         _running_with_new_checkpoint(main)
         timings["taskmanager_recovery_s"] = round(time.monotonic() - started, 1)
         feeder.resume()
