@@ -1,8 +1,8 @@
 """Failure drills for the clicks job on the real local Flink cluster: submit, feed, disrupt, sample, audit.
 
-Each job instance runs in its own process (``python -m pipelines.clicks --runner=FlinkRunner``) with LOOPBACK workers,
-like a separate deployment: killing or cancelling one never touches the test process, and two instances of the same job
-(the zombie drill) do not share a Python worker. The test process produces traffic, samples the consumer group's
+Each job instance is submitted by its own process (``python -m pipelines.clicks --runner=FlinkRunner``, detached) in the
+production shape: parallelism 2 over two TaskManagers, each starting its own Python workers (PROCESS), so killing a
+TaskManager kills its workers, and two instances of the same job (the zombie drill) do not share a Python worker. The test process produces traffic, samples the consumer group's
 committed offsets against what the sinks hold, and audits the sinks at the end.
 """
 
@@ -83,9 +83,10 @@ def drill_config(
     settings: dict[str, Any] = {
         "job_endpoint": flink.info["job_endpoint"],
         "rest_url": flink.info["rest_url"],
-        "environment": "LOOPBACK",
+        # The production shape: Python workers beside each TaskManager, one subtask per TaskManager.
+        "environment": {"type": "PROCESS", "command": flink.info["boot"]},
         "files_to_stage": [flink.info["marker_jar"]],
-        "parallelism": 1,
+        "parallelism": 2,
         "checkpointing_interval_ms": 3000,
         "max_bundle_time_ms": 3000,
         "min_pause_between_checkpoints_ms": 1000,
