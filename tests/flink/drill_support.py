@@ -2,7 +2,8 @@
 
 Each job instance is submitted by its own process (``python -m pipelines.clicks --runner=FlinkRunner``, detached) in the
 production shape: parallelism 2 over two TaskManagers, each starting its own Python workers (PROCESS), so killing a
-TaskManager kills its workers, and two instances of the same job (the zombie drill) do not share a Python worker. The test process produces traffic, samples the consumer group's
+TaskManager kills its workers, and two instances of the same job (the zombie drill) do not share a Python worker.
+The test process produces traffic, samples the consumer group's
 committed offsets against what the sinks hold, and audits the sinks at the end.
 """
 
