@@ -171,7 +171,7 @@ def backlog_run(
     result["session_events"] = session_events(config)
     print(
         f"\nbacklog run: {traffic.summary()} timings {result['timings']} counts {result.get('counts')} "
-        f"checkpoints {_durations(result.get('checkpoints', {}))}"
+        f"checkpoints {_checkpoint_history(result.get('checkpoints', {}))}"
     )
     yield result
 
@@ -194,7 +194,7 @@ def _wait_for(check: Any, timeout: float, what: str, job: DrillJob) -> None:
         time.sleep(2)
 
 
-def _durations(checkpoints: dict[str, Any]) -> list[tuple[int, str, int]]:
+def _checkpoint_history(checkpoints: dict[str, Any]) -> list[tuple[int, str, int]]:
     return [(h["id"], h["status"], h["end_to_end_duration"]) for h in checkpoints.get("history", [])]
 
 
@@ -203,7 +203,7 @@ def test_backlog_catches_up_with_every_checkpoint_completing(backlog_run: dict[s
     history = checkpoints.get("history", [])
     failed = [h for h in history if h["status"] == "FAILED"]
     assert not failed, f"failed checkpoints: {[(h['id'], h.get('failure_message')) for h in failed]}"
-    assert checkpoints["counts"]["completed"] >= 3, _durations(checkpoints)
+    assert checkpoints["counts"]["completed"] >= 3, _checkpoint_history(checkpoints)
     # counts.failed also counts the triggers refused while the job's tasks were still deploying ("not being executed
     # at the moment"); those never start, so they have no history entry. Every checkpoint that started is above.
     assert len(history) >= checkpoints["counts"]["completed"]
