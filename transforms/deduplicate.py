@@ -232,8 +232,10 @@ class _FirstCopyFromStore(beam.DoFn):
         self._missing = Metrics.counter(METRICS_NAMESPACE, "missing_id")
 
     def setup(self) -> None:
-        from beamflow.postgres.first_copies import FirstCopyStore
+        from beamflow.postgres.first_copies import Copy, FirstCopyStore
         from beamflow.postgres.writer import open_pool
+
+        self._copy = Copy  # imported once here, not per element (psycopg stays out of this module's import)
 
         self._pool = open_pool(self._table.dsn)
         self._store = FirstCopyStore(self._pool, self._table.table, self._ttl_ms)
@@ -250,8 +252,6 @@ class _FirstCopyFromStore(beam.DoFn):
     def process(
         self, event: Any, timestamp: Any = beam.DoFn.TimestampParam, window: Any = beam.DoFn.WindowParam
     ) -> Iterator[Any]:
-        from beamflow.postgres.first_copies import Copy
-
         try:
             event_id = self._id_of(event)
             error = "id is None"
@@ -270,7 +270,7 @@ class _FirstCopyFromStore(beam.DoFn):
             quarantined = QuarantinedEvent(event, event_id, reason, timestamp)
             yield beam.pvalue.TaggedOutput(_QUARANTINE, WindowedValue(quarantined, timestamp, (window,)))
             return
-        copy = Copy(str(event_id), topic, int(partition), int(offset), timestamp.micros // 1000)
+        copy = self._copy(str(event_id), topic, int(partition), int(offset), timestamp.micros // 1000)
         self._batch.append((copy, event, timestamp, window))
         if len(self._batch) >= self._max_batch:
             yield from self._flush()
