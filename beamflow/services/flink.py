@@ -378,7 +378,7 @@ class FlinkService(LocalService):
             state.pids = list(roles.values())
             rest = FlinkRest(f"http://127.0.0.1:{ports['rest']}")
             _wait(
-                lambda: _cluster_ready(rest, roles, self.taskmanagers),
+                lambda: _cluster_ready(rest, roles, self.taskmanagers, self._slots()),
                 180, f"Flink REST /overview on 127.0.0.1:{ports['rest']}",
             )  # fmt: skip
             timings["cluster_s"] = round(time.monotonic() - started, 1)
@@ -417,7 +417,7 @@ class FlinkService(LocalService):
         rest = FlinkRest(f"http://127.0.0.1:{state.ports['rest']}", timeout=5)
         roles = state.info.get("roles", {})
         expected = int(state.info.get("taskmanagers", 1))
-        return _cluster_ready(rest, roles, expected) and port_open(state.ports["job"])
+        return _cluster_ready(rest, roles, expected, self._slots()) and port_open(state.ports["job"])
 
     # -- failure drills ---------------------------------------------------------------------------------------
     def kill(self, role: str) -> int:
@@ -476,7 +476,11 @@ class FlinkService(LocalService):
                 )  # fmt: skip
             else:
                 expected = int(state.info.get("taskmanagers", 1))
-                _wait(lambda: _cluster_ready(rest, roles, expected), 180, f"Flink cluster after restarting the {role}")
+                _wait(
+                    lambda: _cluster_ready(rest, roles, expected, self._slots()),
+                    180,
+                    f"Flink cluster after restarting the {role}",
+                )
         return state
 
     def kill_taskmanager(self) -> int:
@@ -490,6 +494,9 @@ class FlinkService(LocalService):
 
     def restart_jobmanager(self, wait: bool = True) -> ServiceState:
         return self.restart("jobmanager", wait)
+
+    def _slots(self) -> int:
+        return int(self.settings["taskmanager.numberOfTaskSlots"])
 
     def rest(self) -> FlinkRest:
         return FlinkRest(f"http://127.0.0.1:{self._require_state().ports['rest']}")
@@ -525,10 +532,13 @@ def _wait(check: Callable[[], bool], timeout: float, what: str) -> None:
         time.sleep(0.5)
 
 
-def _cluster_ready(rest: FlinkRest, roles: dict[str, int], taskmanagers: int = 1) -> bool:
+def _cluster_ready(rest: FlinkRest, roles: dict[str, int], taskmanagers: int = 1, slots: int = 1) -> bool:
     _alive(roles)
     overview = rest.overview()
-    return int(overview.get("taskmanagers", 0)) >= taskmanagers and int(overview.get("slots-total", 0)) >= 1
+    # A TaskManager is listed before its slots are: ready means every TaskManager with every slot.
+    return int(overview.get("taskmanagers", 0)) >= taskmanagers and int(overview.get("slots-total", 0)) >= (
+        taskmanagers * slots
+    )
 
 
 def _taskmanager_role(index: int) -> str:
