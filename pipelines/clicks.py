@@ -232,13 +232,13 @@ def build_pipeline(p: beam.Pipeline, config: dict[str, Any]) -> ClicksJob:
         | "WriteSessions" >> WriteSessions(pg["dsn"], pg["sessions_table"])
     )
     quarantine = dedup.quarantine | "ToQuarantineRows" >> beam.Map(quarantine_row)
-    quarantine_dead = quarantine | "WriteQuarantine" >> WriteToPostgres(
+    quarantine_written = quarantine | "WriteQuarantine" >> WriteToPostgres(
         pg["dsn"], quarantine_spec(pg["quarantine_table"]), create=True
     )
     dead_letters = (
         decoded.dead_letters,
         iceberg.dead_letter,
-        quarantine_dead,
+        quarantine_written.dead_letters,
     ) | "AllDeadLetters" >> beam.Flatten()
     dlq_conf = config.get("dead_letters") or {}
     if dlq_conf.get("sink", "postgres") == "kafka":

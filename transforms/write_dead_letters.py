@@ -212,7 +212,7 @@ class WriteDeadLetters(beam.PTransform):
                 counted
                 | "ToRows" >> beam.Map(dead_letter_row)
                 | "Upsert" >> WriteToPostgres(self.dsn, self.spec, create=True)
-            )
+            ).dead_letters
             written: beam.PCollection = lost | "FailOnLostDeadLetter" >> beam.Map(_refuse_lost)
         else:
             assert self.bootstrap is not None and self.topic is not None

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import apache_beam as beam
 from apache_beam.metrics import Metrics
-from apache_beam.pvalue import TaggedOutput
-from apache_beam.transforms.window import GlobalWindows
 
-from beamflow.deadletter import DeadLetter
 from beamflow.postgres.retry import RetryPolicy
 from beamflow.postgres.table import TableSpec
 from beamflow.postgres.writer import (
@@ -21,16 +18,19 @@ from beamflow.postgres.writer import (
     SourceOf,
     open_pool,
 )
+from transforms.sink_base import DEAD_LETTERS, Declared, Guarantee, SinkFn, SinkResult, write_with
 
 __all__ = ["DEAD_LETTERS", "METRICS_NAMESPACE", "WriteToPostgres"]
 
 METRICS_NAMESPACE = "beamflow.postgres"
-DEAD_LETTERS = "dead_letters"
 
 
-class _UpsertFn(beam.DoFn):
+class _UpsertFn(SinkFn):
     """Buffers rows per bundle; flushes at thresholds and always before the bundle ends (so before any
     checkpoint)."""
+
+    GUARANTEE = Declared(Guarantee.IDEMPOTENT, "deterministic keys and versions (a newer version wins)")
+    STAGE = "write_to_postgres"
 
     def __init__(
         self,
@@ -43,6 +43,7 @@ class _UpsertFn(beam.DoFn):
         retry: RetryPolicy | None,
         source_of: SourceOf | None,
     ) -> None:
+        super().__init__()
         self._dsn = dsn
         self._spec = spec
         self._max_rows = max_rows
@@ -52,16 +53,17 @@ class _UpsertFn(beam.DoFn):
         self._retry = retry
         self._source_of = source_of
         self._writer: PostgresUpsertWriter | None = None
+        self._pool: Any = None
         self._rows = Metrics.counter(METRICS_NAMESPACE, "rows_written")
         self._dead = Metrics.counter(METRICS_NAMESPACE, "dead_letters")
         self._retries = Metrics.counter(METRICS_NAMESPACE, "retries")
 
-    def setup(self) -> None:
+    def open(self) -> None:
         # One pool per DoFn instance, reused across bundles; never one per element.
-        pool = open_pool(self._dsn)
+        self._pool = open_pool(self._dsn)
         self._writer = PostgresUpsertWriter(
             self._spec,
-            pool=pool,
+            pool=self._pool,
             max_rows=self._max_rows,
             max_bytes=self._max_bytes,
             max_seconds=self._max_seconds,
@@ -69,48 +71,51 @@ class _UpsertFn(beam.DoFn):
             retry=self._retry,
             source_of=self._source_of,
         )
-        self._pool = pool
         if self._spec.evolves:
             # Refusals (required new column, type change, a NOT NULL column no longer declared) fail the job here,
             # before this worker writes any row.
             self._writer.columns()
 
-    def process(self, row: Mapping[str, Any]) -> Iterator[TaggedOutput]:
+    def add(self, row: Mapping[str, Any]) -> list[Any]:
         assert self._writer is not None
-        for dead in self._track(self._writer.add, row):
-            yield TaggedOutput(DEAD_LETTERS, dead)
+        return self._track(self._writer.add, row)
 
-    def finish_bundle(self) -> Iterator[TaggedOutput]:
+    def flush(self) -> list[Any]:
         assert self._writer is not None
-        for dead in self._track(lambda _: self._writer.flush(), None):
-            yield TaggedOutput(DEAD_LETTERS, GlobalWindows.windowed_value(dead))
+        return self._track(lambda _: self._writer.flush(), None)
 
-    def _track(self, call: Any, arg: Any) -> list[DeadLetter]:
+    def _track(self, call: Any, arg: Any) -> list[Any]:
+        """The call's dead letters, plus a report of the rows it wrote (when it wrote any), counted in metrics."""
         assert self._writer is not None
-        before = (self._writer.stats.rows_written, self._writer.stats.retries)
-        dead: list[DeadLetter] = call(arg)
-        self._rows.inc(self._writer.stats.rows_written - before[0])
-        self._retries.inc(self._writer.stats.retries - before[1])
-        if dead:
-            self._dead.inc(len(dead))
-        return dead
+        stats = self._writer.stats
+        before = (stats.rows_written, stats.retries)
+        outputs: list[Any] = call(arg)
+        written = stats.rows_written - before[0]
+        if written or stats.retries != before[1]:
+            self._rows.inc(written)
+            self._retries.inc(stats.retries - before[1])
+        if outputs:
+            self._dead.inc(len(outputs))
+        if written:
+            outputs.append({"table": self._spec.table, "rows_written": written})
+        return outputs
 
-    def teardown(self) -> None:
-        pool = getattr(self, "_pool", None)
-        if pool is not None:
-            pool.close()
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
 
 
 class WriteToPostgres(beam.PTransform):
-    """Upserts dict rows into a PostgreSQL table; returns the PCollection of ``DeadLetter`` for rejected rows.
+    """Upserts dict rows into a PostgreSQL table; returns a ``SinkResult``: a report per written batch
+    (``{"table", "rows_written"}``) and the ``DeadLetter`` of every rejected row.
 
     ::
 
         spec = TableSpec("orders", key=("order_id",), version=("event_time", "kafka_offset"),
                          columns={"order_id": "text", "event_time": "timestamptz NOT NULL",
                                   "kafka_offset": "bigint NOT NULL", "amount": "numeric(12, 2)"})
-        dead_letters = rows | WriteToPostgres(dsn, spec, create=True)
-        dead_letters | "ToDLQ" >> beam.Map(DeadLetter.to_json) | ...
+        result = rows | WriteToPostgres(dsn, spec, create=True)
+        result.dead_letters | WriteDeadLetters("postgres", dsn=dsn, table="dead_letters")
 
     Guarantee: idempotent, hence effectively exactly-once given deterministic keys and versions. Rows are
     written in batches of one transaction each (COPY into a temp table, then ``INSERT ... ON CONFLICT``); a
@@ -134,6 +139,8 @@ class WriteToPostgres(beam.PTransform):
     (or ``create=True`` with declared ``spec.columns``). Names must be plain identifiers; others are rejected.
     """
 
+    GUARANTEES = {"": _UpsertFn.GUARANTEE}
+
     def __init__(
         self,
         dsn: str,
@@ -151,6 +158,5 @@ class WriteToPostgres(beam.PTransform):
             raise TypeError(f"spec must be a TableSpec, got {type(spec).__name__}")
         self._fn = _UpsertFn(dsn, spec, max_rows, max_bytes, max_seconds, create, retry, source_of)
 
-    def expand(self, rows: beam.PCollection) -> beam.PCollection:
-        outputs = rows | "Upsert" >> beam.ParDo(self._fn).with_outputs(DEAD_LETTERS)
-        return outputs[DEAD_LETTERS]
+    def expand(self, rows: beam.PCollection) -> SinkResult:
+        return write_with(rows, self._fn, "Upsert")

@@ -174,7 +174,7 @@ def test_stream_switching_to_v2_evolves_both_sinks_and_loses_nothing(
             decoded.decoded
             | "ToRawRows" >> beam.Map(raw_row)
             | WriteToPostgres(dsn, _raw_spec(pg_table, V2), source_of=raw_source, max_rows=128)
-        )
+        ).dead_letters
         (decoded.dead_letters, ice.dead_letter, pg_dead) | beam.Flatten() | beam.Map(_no_dead_letter)
 
     # PostgreSQL: every record, the new columns added, v1 rows NULL there, v2 rows carry them.
@@ -412,7 +412,9 @@ def test_bad_input_lands_in_the_dlq_with_its_reason(
         )
         | DecodeAvro(url, reader_schema=V2)
     )
-    pg_dead = decoded.decoded | "ToRawRows" >> beam.Map(raw_row) | WriteToPostgres(dsn, spec, source_of=raw_source)
+    pg_dead = (
+        decoded.decoded | "ToRawRows" >> beam.Map(raw_row) | WriteToPostgres(dsn, spec, source_of=raw_source)
+    ).dead_letters
     (decoded.dead_letters, pg_dead) | beam.Flatten() | dlq
     result = p.run()
     result.wait_until_finish()
