@@ -314,31 +314,29 @@ class Sampler(threading.Thread):
                 self._sessions(conn, pending)
 
     def _sessions(self, conn: Any, pending: list[dict[str, Any]]) -> None:
+        """An event is visible in the session rows once the sessions' events ledger holds it: the store claims it
+        there in the transaction that adds it to its session."""
         import psycopg
         from psycopg import sql
 
-        from beamflow.kafka.offset_ranges import OffsetRanges
+        from beamflow.postgres.sessions import ledger_spec
 
-        users = sorted({s["user_id"] for s in pending})
         seen_ms = _now_ms()
         try:
             rows = conn.execute(
                 sql.SQL(
-                    "SELECT user_id, impression_offsets, click_offsets FROM {} WHERE user_id = ANY(%s)"
-                    " AND session_end > now() - interval '2 hours'"
-                ).format(sql.Identifier(self.config["postgres"]["sessions_table"])),
-                (users,),
+                    "SELECT kafka_partition, kafka_offset FROM {} "
+                    "JOIN unnest(%s::integer[], %s::bigint[]) AS p(kp, ko) "
+                    "ON kafka_partition = kp AND kafka_offset = ko"
+                ).format(ledger_spec(self.config["postgres"]["sessions_table"]).qualified),
+                ([s["partition"] for s in pending], [s["offset"] for s in pending]),
             ).fetchall()
         except psycopg.errors.UndefinedTable:
             return
-        by_user: dict[str, list[tuple[str, str]]] = defaultdict(list)
-        for user, impressions, clicks in rows:
-            by_user[user].append((impressions, clicks))
+        held = {(int(p), int(o)) for p, o in rows}
         for s in pending:
-            for impressions, clicks in by_user.get(s["user_id"], ()):
-                if (s["partition"], s["offset"]) in OffsetRanges.decode(clicks if s["click"] else impressions):
-                    s["sessions_ms"] = seen_ms
-                    break
+            if (s["partition"], s["offset"]) in held:
+                s["sessions_ms"] = seen_ms
 
     def _checkpoints(self, rest: Any) -> None:
         for h in rest.checkpoints(self.job_id).get("history", []):

@@ -8,21 +8,28 @@ ONE transaction:
 
 1. takes a transaction-scoped advisory lock per user (sorted, so concurrent writers cannot deadlock; two writers of
    one user are serialised even when that user has no stored row yet to lock);
-2. reads the user's stored sessions whose window overlaps a new one (``start < new end AND end > new start``: the
+2. claims the new sessions' events by Kafka coordinates in the table's events ledger (``<table>_events``, primary
+   key partition and offset; ``INSERT ... ON CONFLICT DO NOTHING RETURNING``): only the events claimed now are
+   counted, so an event that any stored session already counts is counted once, whatever run delivered it again;
+3. reads the user's stored sessions whose window overlaps a new one (``start < new end AND end > new start``: the
    windows already carry the gap, ``[first event, last event + gap)``, so this is the ``Sessions`` merge rule) with
    ``SELECT ... FOR UPDATE``, again for the widened extents until nothing new turns up (transitive merges: a late
    event can bridge two stored sessions);
-3. merges each connected group with ``SessionClicks.union``: counts come from the union of the events' Kafka
-   coordinates (``impression_offsets``/``click_offsets``, offset ranges per partition), so an event that a stored
-   row already counts is counted once, whatever run delivered it again;
-4. deletes the stored rows a merged row replaces and inserts the merged rows (a group that changes nothing, e.g. a
-   pure replay, writes nothing).
+4. deletes the stored rows a merged row replaces and inserts the merged rows, whose counts are the stored counts
+   plus the newly claimed events (a new session whose events are all claimed already, e.g. a pure replay, changes
+   nothing).
+
+Why a ledger and not the offsets in each row (the first layout): a never-ending session of a hot user collects
+offsets scattered among other users' records, so its offset list grows with the session and was decoded, merged,
+encoded and rewritten by every bundle that touched it, a cost quadratic in the session's length on a long stream.
+The ledger costs one narrow index entry per event, written once.
 
 Guarantee: after any sequence of batches (runs cut anywhere, batches repeated after crashes, in any order), the
 table holds for each user exactly the sessions one pass over the union of all delivered events would form (windows
 ``[first, last + gap)`` merged when they overlap, each event counted once), provided every event was delivered
 with its Kafka coordinates (one topic per table: the coordinates are partition and offset). A batch commits
-entirely or not at all. Rows written without offsets (an earlier table layout) are refused with a clear error.
+entirely or not at all. A table from the first layout (offsets in the rows), or a sessions table with rows but no
+ledger, is refused with a clear error.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,7 +49,16 @@ from beamflow.kafka.offset_ranges import OffsetRanges
 from beamflow.postgres.retry import RetryPolicy
 from beamflow.postgres.table import TableSpec, create_table, existing_columns
 
-__all__ = ["SESSION_COLUMNS", "Session", "SessionStore", "SessionWriteStats", "sessions_spec"]
+__all__ = [
+    "LEDGER_COLUMNS",
+    "OFFSET_COLUMNS",
+    "SESSION_COLUMNS",
+    "Session",
+    "SessionStore",
+    "SessionWriteStats",
+    "ledger_spec",
+    "sessions_spec",
+]
 
 SESSION_COLUMNS: dict[str, str] = {
     "user_id": "text NOT NULL",
@@ -55,9 +71,14 @@ SESSION_COLUMNS: dict[str, str] = {
     "events": "bigint NOT NULL",
     "pane_index": "bigint NOT NULL",
     "is_final": "boolean NOT NULL",
-    # The Kafka coordinates of the events counted, per type (OffsetRanges text: "0:100-180,190;2:5-9").
-    "impression_offsets": "text NOT NULL",
-    "click_offsets": "text NOT NULL",
+}
+# A new session row (``SessionStore.write``'s input) also carries the Kafka coordinates of the events it counts, per
+# type (OffsetRanges text: "0:100-180,190;2:5-9"); the store claims them in its ledger and keeps only the counts.
+OFFSET_COLUMNS = ("impression_offsets", "click_offsets")
+LEDGER_COLUMNS: dict[str, str] = {
+    "kafka_partition": "integer NOT NULL",
+    "kafka_offset": "bigint NOT NULL",
+    "user_id": "text NOT NULL",
 }
 _NAMES = list(SESSION_COLUMNS)
 _TYPES = {
@@ -65,6 +86,7 @@ _TYPES = {
     "timestamptz NOT NULL": "timestamptz",
     "timestamptz": "timestamptz",
     "bigint NOT NULL": "bigint",
+    "integer NOT NULL": "integer",
     "boolean NOT NULL": "boolean",
 }
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
@@ -74,6 +96,17 @@ _MICRO = dt.timedelta(microseconds=1)
 def sessions_spec(table: str) -> TableSpec:
     """The sessions table: one row per (user, session start); ``SessionStore`` keeps the rows of a user disjoint."""
     return TableSpec(table, key=("user_id", "session_start"), version=("events", "pane_index"), columns=SESSION_COLUMNS)
+
+
+def ledger_spec(table: str) -> TableSpec:
+    """The sessions table's events ledger, ``<table>_events``: the Kafka coordinates of every event counted."""
+    sessions = sessions_spec(table)
+    return TableSpec(
+        f"{sessions.table}_events",
+        key=("kafka_partition", "kafka_offset"),
+        columns=LEDGER_COLUMNS,
+        schema=sessions.schema,
+    )
 
 
 def _micros(when: dt.datetime | None) -> int | None:
@@ -97,14 +130,14 @@ class Session:
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> Session:
-        """From a sessions-table row (a mapping with ``SESSION_COLUMNS``)."""
+        """From a row with ``SESSION_COLUMNS`` and, for a new session, ``OFFSET_COLUMNS`` (a stored row has none)."""
         value = SessionClicks(
             int(row["impressions"]),
             int(row["clicks"]),
             _micros(row["first_event"]),
             _micros(row["last_event"]),
-            OffsetRanges.decode(row["impression_offsets"]),
-            OffsetRanges.decode(row["click_offsets"]),
+            OffsetRanges.decode(row.get("impression_offsets")),
+            OffsetRanges.decode(row.get("click_offsets")),
         )
         return cls(
             row["user_id"],
@@ -116,6 +149,15 @@ class Session:
         )
 
     def to_row(self) -> dict[str, Any]:
+        """A new-session row: ``SESSION_COLUMNS`` and ``OFFSET_COLUMNS``."""
+        return {
+            **self.stored_row(),
+            "impression_offsets": self.value.impression_offsets.encode(),
+            "click_offsets": self.value.click_offsets.encode(),
+        }
+
+    def stored_row(self) -> dict[str, Any]:
+        """The row as the table stores it: ``SESSION_COLUMNS`` (counts, no offsets)."""
         v = self.value
         return {
             "user_id": self.user_id,
@@ -128,9 +170,12 @@ class Session:
             "events": v.events,
             "pane_index": self.pane_index,
             "is_final": self.is_final,
-            "impression_offsets": v.impression_offsets.encode(),
-            "click_offsets": v.click_offsets.encode(),
         }
+
+    def coordinates(self) -> Iterator[tuple[int, int]]:
+        """The (partition, offset) of every event it carries offsets for, impressions then clicks."""
+        yield from _expand(self.value.impression_offsets)
+        yield from _expand(self.value.click_offsets)
 
 
 @dataclass
@@ -166,6 +211,12 @@ def _groups(stored: Iterable[Session], new: Iterable[Session]) -> list[_Group]:
     return groups
 
 
+def _expand(ranges: OffsetRanges) -> Iterator[tuple[int, int]]:
+    for partition, first, last in ranges.ranges:
+        for offset in range(first, last + 1):
+            yield partition, offset
+
+
 def _lock_key(table: str, user_id: str) -> int:
     digest = hashlib.blake2b(f"{table}\x00{user_id}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big", signed=True)
@@ -186,6 +237,7 @@ class SessionStore:
 
     def __init__(self, connection: Any, table: str, retry: RetryPolicy | None = None) -> None:
         self.spec = sessions_spec(table)
+        self.ledger = ledger_spec(table)
         self._connection = connection
         self._retry = retry or RetryPolicy()
         self.stats = SessionWriteStats()
@@ -195,23 +247,41 @@ class SessionStore:
         return cls(lambda: psycopg.connect(dsn), table, retry)
 
     def ensure_table(self) -> None:
-        """Creates the table if missing; refuses one without the offset columns (rows that cannot merge exactly)."""
+        """Creates the table and its events ledger if missing. A new sessions table starts with an empty ledger (one
+        left by a dropped table counted events no row holds any more). Refuses a table whose counts cannot be merged
+        exactly: one from the first layout (offsets in each row), or one with rows but no ledger."""
 
         def ensure() -> None:
             with self._connection() as conn, conn.transaction():
-                create_table(conn, self.spec)
+                conn.execute("SELECT pg_advisory_xact_lock(%s)", (_lock_key(self.spec.display_name, ""),))
                 columns = {c.name for c in existing_columns(conn, self.spec) or []}
+                ledger = existing_columns(conn, self.ledger) is not None
+                if not columns:
+                    if ledger:
+                        conn.execute(sql.SQL("DROP TABLE {}").format(self.ledger.qualified))
+                    create_table(conn, self.spec)
+                    create_table(conn, self.ledger)
+                    return
+                name = self.spec.display_name
                 missing = [c for c in _NAMES if c not in columns]
-                if missing:
+                if missing or columns & set(OFFSET_COLUMNS):
                     raise RuntimeError(
-                        f"sessions table {self.spec.display_name} lacks columns {missing}: it was written without the "
-                        "events' Kafka offsets, so its sessions cannot be merged exactly with new ones; drop it (or "
-                        "write to a new table) and rebuild it from Kafka"
+                        f"sessions table {name} has the columns of another layout (missing {missing}, offsets in "
+                        f"each row: {sorted(columns & set(OFFSET_COLUMNS))}): its sessions cannot be merged exactly "
+                        "with new ones; drop it (or write to a new table) and rebuild it from Kafka"
                     )
+                if not ledger:
+                    if conn.execute(sql.SQL("SELECT 1 FROM {} LIMIT 1").format(self.spec.qualified)).fetchone():
+                        raise RuntimeError(
+                            f"sessions table {name} has rows but no events ledger {self.ledger.display_name}: which "
+                            "events its counts hold is unknown, so new sessions cannot be merged exactly; drop it (or "
+                            "write to a new table) and rebuild it from Kafka"
+                        )
+                    create_table(conn, self.ledger)
 
         self._retry.call(ensure, on_retry=self._count_retry)
 
-    def write(self, rows: Iterable[Mapping[str, Any]]) -> SessionWriteStats:
+    def write(self, rows: Iterable[Session | Mapping[str, Any]]) -> SessionWriteStats:
         """Merges ``rows`` (new, possibly partial or repeated sessions) into the table in one transaction; returns
         this call's counts."""
         sessions = [s if isinstance(s, Session) else Session.from_row(s) for s in rows]
@@ -253,6 +323,8 @@ class SessionStore:
                 "SELECT pg_advisory_xact_lock(k) FROM unnest(%s::bigint[]) AS u(k)",
                 ([_lock_key(self.spec.display_name, u) for u in users],),
             )
+            by_user = self._claim(conn, by_user, out)
+            users = [u for u in users if u in by_user]
             stored: dict[str, dict[dt.datetime, Session]] = defaultdict(dict)
             # Extents to look up: the new windows first, then whatever the merged groups grew to.
             probes = [(u, s.start, s.end) for u in users for s in by_user[u]]
@@ -269,12 +341,9 @@ class SessionStore:
             inserts: list[dict[str, Any]] = []
             for user in users:
                 for group in _groups(stored[user].values(), by_user[user]):
-                    merged = self._merge(group, out)
-                    if len(group.stored) == 1 and merged.to_row() == group.stored[0].to_row():
-                        out.unchanged += 1
-                        continue
+                    merged = self._merge(group)
                     deletes.extend((s.user_id, s.start) for s in group.stored)
-                    inserts.append(merged.to_row())
+                    inserts.append(merged.stored_row())
             if deletes:
                 cur = conn.execute(
                     sql.SQL(
@@ -313,17 +382,56 @@ class SessionStore:
         unique = {(r[0], r[1]): r for r in cur.fetchall()}  # a stored row may overlap several probes
         return [Session.from_row(dict(zip(_NAMES, r, strict=True))) for r in unique.values()]
 
+    def _claim(
+        self, conn: psycopg.Connection[Any], by_user: Mapping[str, list[Session]], out: SessionWriteStats
+    ) -> dict[str, list[Session]]:
+        """Claims the new sessions' events in the ledger; returns the sessions counting only the events claimed now
+        (and none that claimed nothing). Each event is claimed by one session, even if two new ones carry it."""
+        sessions = [s for u in sorted(by_user) for s in by_user[u]]
+        users: list[str] = []
+        partitions: list[int] = []
+        offsets: list[int] = []
+        for s in sessions:
+            for partition, offset in s.coordinates():
+                users.append(s.user_id)
+                partitions.append(partition)
+                offsets.append(offset)
+        cur = conn.execute(
+            sql.SQL(
+                "INSERT INTO {t} (kafka_partition, kafka_offset, user_id) "
+                "SELECT * FROM unnest(%s::integer[], %s::bigint[], %s::text[]) ON CONFLICT DO NOTHING "
+                "RETURNING kafka_partition, kafka_offset"
+            ).format(t=self.ledger.qualified),
+            (partitions, offsets, users),
+        )
+        unclaimed = set(cur.fetchall())
+
+        def take(ranges: OffsetRanges) -> int:
+            mine = [c for c in _expand(ranges) if c in unclaimed]
+            unclaimed.difference_update(mine)
+            return len(mine)
+
+        fresh: dict[str, list[Session]] = defaultdict(list)
+        for s in sessions:
+            impressions, clicks = take(s.value.impression_offsets), take(s.value.click_offsets)
+            out.events_already_stored += s.value.events - impressions - clicks
+            if impressions + clicks == 0:
+                out.unchanged += 1
+                continue
+            # The extent stays the whole session's: an event claimed before lies inside the stored session that
+            # counts it (``[first, last + gap)``), so the merge below covers it either way.
+            v = s.value
+            value = SessionClicks(impressions, clicks, v.first_event_time, v.last_event_time)
+            fresh[s.user_id].append(Session(s.user_id, s.start, s.end, value, s.pane_index, s.is_final))
+        return fresh
+
     @staticmethod
-    def _merge(group: _Group, out: SessionWriteStats) -> Session:
+    def _merge(group: _Group) -> Session:
+        """Stored and newly counted sessions hold disjoint events (the ledger saw to it): their counts add up."""
         members = [*group.stored, *group.new]
         value = members[0].value
         for s in members[1:]:
-            value = value.union(s.value)
-        if group.stored:
-            before = group.stored[0].value
-            for s in group.stored[1:]:
-                before = before.union(s.value)
-            out.events_already_stored += before.events + sum(s.value.events for s in group.new) - value.events
+            value = value.merge(s.value)
         newest = max(group.new, key=lambda s: s.pane_index) if group.new else members[0]
         return Session(
             members[0].user_id,

@@ -68,7 +68,8 @@ def table(postgres: object) -> Iterator[tuple[str, str]]:
     name = f"sessions_{uuid.uuid4().hex[:8]}"
     yield dsn, name
     with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(name)))
+        for table in (name, f"{name}_events"):
+            conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(table)))
 
 
 def _fresh(dsn: str) -> SessionStore:
@@ -79,11 +80,22 @@ def _fresh(dsn: str) -> SessionStore:
 
 def _drop(dsn: str, store: SessionStore) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(store.spec.qualified))
+        for spec in (store.spec, store.ledger):
+            conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(spec.qualified))
 
 
 def _rows(store: SessionStore) -> list[dict[str, object]]:
-    return [s.to_row() for s in store.read()]
+    return [s.stored_row() for s in store.read()]
+
+
+def _expected(events: Sequence[Event]) -> list[dict[str, object]]:
+    return [s.stored_row() for s in sessions_of(events)]
+
+
+def _ledger(dsn: str, store: SessionStore) -> set[tuple[int, int]]:
+    with psycopg.connect(dsn) as conn:
+        query = sql.SQL("SELECT kafka_partition, kafka_offset FROM {}").format(store.ledger.qualified)
+        return {(int(p), int(o)) for p, o in conn.execute(query).fetchall()}
 
 
 def _overlapping_pairs(store: SessionStore) -> int:
@@ -143,6 +155,7 @@ def test_any_runs_and_crash_reruns_give_one_runs_sessions(
         one_store.write(sessions_of(events))
         assert _rows(runs_store) == _rows(one_store)
         assert sum(s.value.events for s in runs_store.read()) == len(events)
+        assert _ledger(dsn, runs_store) == {(e.partition, e.offset) for e in events}
         assert _overlapping_pairs(runs_store) == 0
     finally:
         _drop(dsn, runs_store)
@@ -168,7 +181,7 @@ def test_a_late_event_bridging_two_stored_sessions_merges_all_three(table: tuple
     [merged] = store.read()
     assert (merged.value.impressions, merged.value.clicks, merged.value.events) == (3, 1, 4)
     assert stats.rows_deleted == 2 and stats.rows_inserted == 1
-    assert [s.to_row() for s in store.read()] == [s.to_row() for s in sessions_of(first + bridge)]
+    assert _rows(store) == _expected(first + bridge)
 
 
 def test_a_replayed_batch_changes_nothing_and_counts_nothing_twice(table: tuple[str, str]) -> None:
@@ -177,8 +190,9 @@ def test_a_replayed_batch_changes_nothing_and_counts_nothing_twice(table: tuple[
     store.ensure_table()
     events = [_ev("u", m, i, "click" if i % 3 == 0 else "impression", i % 2) for i, m in enumerate([0, 2, 4, 30, 31])]
     rows = sessions_of(events)
-    store.write(rows)
+    store.write(rows + rows)  # one batch carrying every event twice counts each once
     before = _rows(store)
+    assert before == _expected(events)
     stats = store.write(rows)
     assert _rows(store) == before
     assert stats.rows_inserted == stats.rows_deleted == 0 and stats.unchanged == 2
@@ -186,7 +200,7 @@ def test_a_replayed_batch_changes_nothing_and_counts_nothing_twice(table: tuple[
     # A rerun that reads the first events again plus new ones: the new ones only are added.
     more = [*events, _ev("u", 33, 5)]
     store.write(sessions_of(more))
-    assert _rows(store) == [s.to_row() for s in sessions_of(more)]
+    assert _rows(store) == _expected(more)
 
 
 def test_rows_without_every_events_offsets_are_refused(table: tuple[str, str]) -> None:
@@ -199,7 +213,7 @@ def test_rows_without_every_events_offsets_are_refused(table: tuple[str, str]) -
         store.write([blind])
 
 
-def test_a_table_written_without_offsets_is_refused(table: tuple[str, str]) -> None:
+def test_a_table_of_another_layout_is_refused(table: tuple[str, str]) -> None:
     dsn, name = table
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(
@@ -207,8 +221,28 @@ def test_a_table_written_without_offsets_is_refused(table: tuple[str, str]) -> N
                 "CREATE TABLE {} (user_id text, session_start timestamptz, PRIMARY KEY (user_id, session_start))"
             ).format(sql.Identifier(name))
         )
-    with pytest.raises(RuntimeError, match="without the events' Kafka offsets"):
+    with pytest.raises(RuntimeError, match="another layout"):
         SessionStore.connect(dsn, name).ensure_table()
+
+
+def test_a_table_with_rows_but_no_ledger_is_refused_and_a_new_table_drops_a_stale_ledger(
+    table: tuple[str, str],
+) -> None:
+    dsn, name = table
+    store = SessionStore.connect(dsn, name)
+    store.ensure_table()
+    events = [_ev("u", 0, 0), _ev("u", 1, 1)]
+    store.write(sessions_of(events))
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP TABLE {}").format(store.spec.qualified))
+    # The ledger outlived its table: a new table must not inherit its claims (the events would never be counted).
+    store.ensure_table()
+    store.write(sessions_of(events))
+    assert _rows(store) == _expected(events)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP TABLE {}").format(store.ledger.qualified))
+    with pytest.raises(RuntimeError, match="no events ledger"):
+        store.ensure_table()
 
 
 def test_concurrent_writers_of_one_user_are_serialised(table: tuple[str, str]) -> None:
@@ -232,4 +266,4 @@ def test_concurrent_writers_of_one_user_are_serialised(table: tuple[str, str]) -
         t.join()
     assert not errors
     store = SessionStore.connect(dsn, name)
-    assert _rows(store) == [s.to_row() for s in sessions_of(events)]
+    assert _rows(store) == _expected(events)
