@@ -64,10 +64,13 @@ Command-line flags override the YAML: ``flink_options(conf["flink"], sys.argv[1:
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from apache_beam.options.pipeline_options import PipelineOptions
+
+_LOG = logging.getLogger(__name__)
 
 __all__ = [
     "SubmissionError",
@@ -79,6 +82,7 @@ __all__ = [
     "options_for_service",
     "service_settings",
     "wait_until_running",
+    "worker_pool_problem",
 ]
 
 # conf key -> pipeline flag, for plain values passed through as ``--flag=value``.
@@ -291,11 +295,49 @@ def check_reachable(config: Mapping[str, Any], timeout_s: float = 5.0) -> None:
         pool = str(environment.get("config") or "")
         # The TaskManagers resolve this address on their own hosts; here it can be checked only when they are local.
         host = pool.rsplit(":", 1)[0]
-        if host in ("localhost", "127.0.0.1", "::1") and not _answers(pool, timeout_s):
-            raise SubmissionError(
-                f"no Python worker pool answers at {pool} (flink.environment.config); start one beside each "
-                "TaskManager: python -m runners.worker_pool --port " + pool.rsplit(":", 1)[-1]
-            )
+        if host in ("localhost", "127.0.0.1", "::1"):
+            problem = worker_pool_problem(pool, timeout_s)
+            if problem:
+                raise SubmissionError(problem)
+
+
+def worker_pool_problem(pool: str, timeout_s: float = 5.0) -> str | None:
+    """Why the worker pool at ``pool`` cannot run this submitter's pipeline, in one line; None when it can.
+
+    Down: nothing listens. Mismatched: its workers run another apache-beam or Python version than this process
+    (pickled functions and Beam's protos do not cross versions: the job would fail on the TaskManagers, or hang).
+    A pool that is not beamflow's (``runners.worker_pool``) cannot say its versions; that is logged, not refused.
+    """
+    import grpc
+
+    from runners.worker_pool import local_versions, pool_versions
+
+    start = "python -m runners.worker_pool --port " + pool.rsplit(":", 1)[-1]
+    if not _answers(pool, timeout_s):
+        return (
+            f"no Python worker pool answers at {pool} (flink.environment.config); start one beside each "
+            f"TaskManager: {start}"
+        )
+    try:
+        theirs = pool_versions(pool, timeout_s)
+    except grpc.RpcError as exc:
+        return f"the Python worker pool at {pool} (flink.environment.config) does not answer gRPC: {exc.code()}"
+    if theirs is None:
+        _LOG.warning(
+            "the worker pool at %s is not beamflow's runners.worker_pool: its apache-beam version is unchecked "
+            "(it must be %s)",
+            pool,
+            local_versions()["apache_beam"],
+        )
+        return None
+    ours = local_versions()
+    differ = [f"{k} {theirs.get(k)} (here {v})" for k, v in ours.items() if theirs.get(k) != v]
+    if differ:
+        return (
+            f"the Python worker pool at {pool} (flink.environment.config) runs {', '.join(differ)}: its workers "
+            f"cannot run this pipeline; restart it from this environment: {start}"
+        )
+    return None
 
 
 def _answers(address: str, timeout_s: float) -> bool:

@@ -10,6 +10,10 @@ the pool for a worker per environment; the pool starts each as a child process (
 code (``beamflow``, ``transforms``, ``pipelines``) must be importable where the pool runs: start it from the project
 folder or with beamflow installed.
 
+The pool also answers ``VERSIONS_METHOD`` with the apache-beam and Python versions it runs workers with, so a
+submitter can refuse a pool whose workers would not understand its pipeline (``runners.flink.check_reachable``):
+pickled functions and Beam's protos are only compatible within one apache-beam version and one Python minor version.
+
 Why not ``apache_beam.runners.worker.worker_pool_main`` directly: it binds every interface (``[::]``) and cannot be
 told otherwise; a worker pool executes whatever code a caller sends it, so beamflow binds loopback unless told.
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -30,7 +35,40 @@ from apache_beam.portability.api import beam_fn_api_pb2_grpc
 from apache_beam.runners.worker.worker_pool_main import BeamFnExternalWorkerPoolServicer
 from apache_beam.utils import thread_pool_executor
 
-__all__ = ["main", "start_worker_pool"]
+__all__ = ["VERSIONS_METHOD", "local_versions", "main", "pool_versions", "start_worker_pool"]
+
+# A gRPC method of beamflow's own beside Beam's worker pool service: empty request, JSON of ``local_versions()``.
+VERSIONS_METHOD = "/beamflow.WorkerPool/Versions"
+
+
+def local_versions() -> dict[str, str]:
+    """What a worker started here runs: apache-beam's version and Python's major.minor."""
+    import apache_beam
+
+    return {"apache_beam": apache_beam.__version__, "python": f"{sys.version_info[0]}.{sys.version_info[1]}"}
+
+
+def pool_versions(address: str, timeout_s: float = 5.0) -> dict[str, str] | None:
+    """The versions a worker pool at ``address`` reports; None if it is not beamflow's pool (no such method).
+
+    Raises ``grpc.RpcError`` when nothing answers in ``timeout_s``."""
+    with grpc.insecure_channel(address) as channel:
+        call = channel.unary_unary(VERSIONS_METHOD)
+        try:
+            reply = call(b"", timeout=timeout_s)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return None
+            raise
+    versions: dict[str, str] = json.loads(reply)
+    return versions
+
+
+def _versions_handler() -> grpc.GenericRpcHandler:
+    reply = json.dumps(local_versions()).encode()
+    method = grpc.unary_unary_rpc_method_handler(lambda _request, _context: reply)
+    return grpc.method_handlers_generic_handler(VERSIONS_METHOD.split("/")[1], {VERSIONS_METHOD.split("/")[2]: method})
+
 
 _LOG = logging.getLogger("runners.worker_pool")
 
@@ -49,6 +87,7 @@ def start_worker_pool(host: str = "127.0.0.1", port: int = 0) -> tuple[str, grpc
     beam_fn_api_pb2_grpc.add_BeamFnExternalWorkerPoolServicer_to_server(
         BeamFnExternalWorkerPoolServicer(use_process=True), server
     )
+    server.add_generic_rpc_handlers((_versions_handler(),))
     server.start()
     return f"{host}:{bound}", server
 
