@@ -223,7 +223,9 @@ def test_store_restarted_mid_run_loses_and_dead_letters_nothing(
 ) -> None:
     _RESTART.clear()
     _RESTART["service"] = service_set.get("postgres")
-    handler = PostgresTableLookup(postgres.info["dsn"], drivers, "driver_id", ("name",), timeout_s=3)
+    # A 1 s deadline (connection wait included) against a server down for more than 2 s: lookups do fail meanwhile.
+    handler = PostgresTableLookup(postgres.info["dsn"], drivers, "driver_id", ("name",), timeout_s=1)
+    started_before = _postmaster_started(postgres.info["dsn"])
     enrich = Enrich(handler, key_field="driver_id", on_missing="dead_letter", max_batch_size=20, cache_size=0)
     enriched, dead, run = _run(_rides(1500), enrich, hook=_restart_postgres_at)
     assert _RESTART.get("done")
@@ -232,6 +234,14 @@ def test_store_restarted_mid_run_loses_and_dead_letters_nothing(
     assert all(e["name"] == f"driver {e['ride_id'] % DRIVERS}" for e, _, _ in enriched)
     retries = run.metrics().query(beam.metrics.MetricsFilter().with_name("retries"))["counters"]
     assert sum(c.committed for c in retries) > 0  # the restart was really hit, and ridden out
+    assert _postmaster_started(postgres.info["dsn"]) > started_before
+
+
+def _postmaster_started(dsn: str) -> Any:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute("SELECT pg_postmaster_start_time()").fetchone()
+        assert row is not None
+        return row[0]
 
 
 def test_unreachable_store_fails_the_bundle_instead_of_dead_lettering() -> None:
