@@ -13,9 +13,19 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from beamflow.config import FlinkConfig, JobConfig, as_job_config
 from beamflow.kafka.commits import DEFAULT_ROUND_GAP_S
 
-__all__ = ["Finding", "check_checkpoint_stats", "check_config", "check_record_gaps", "format_findings"]
+__all__ = [
+    "RULES",
+    "Finding",
+    "Job",
+    "check_checkpoint_stats",
+    "check_config",
+    "check_record_gaps",
+    "format_findings",
+    "rule_code",
+]
 
 
 @dataclass(frozen=True)
@@ -27,287 +37,377 @@ class Finding:
     fix: str
 
 
-def _get(config: Mapping[str, Any], path: str, default: Any = None) -> Any:
-    node: Any = config
-    for key in path.split("."):
-        if not isinstance(node, Mapping) or key not in node:
-            return default
-        node = node[key]
-    return node
-
-
 _RUN_ID = re.compile(r"(\d{8,}|[0-9a-f]{8}-[0-9a-f]{4}-|run[-_]?\d|job[-_]?id)", re.IGNORECASE)
-
-
-def check_config(config: Mapping[str, Any], partitions: int | None = None) -> list[Finding]:
-    """Static findings for a job config (``conf/*.yaml`` after overrides). ``partitions`` overrides the config's."""
-    findings: list[Finding] = []
-    flink = _get(config, "flink")
-    if not flink:
-        findings.append(
-            Finding(
-                "no-flink-section",
-                "info",
-                "no flink section: Flink checks skipped",
-                "this config only describes a local run",
-                "add a flink: section (see conf/flink.yaml) to check a deployment",
-            )
-        )
-        flink = {}
-    parallelism = flink.get("parallelism")
-    partitions = partitions if partitions is not None else _get(config, "kafka.partitions")
-    if parallelism and partitions and int(parallelism) > int(partitions):
-        findings.append(
-            Finding(
-                "parallelism-above-partitions",
-                "warning",
-                f"parallelism {parallelism} is above the topic's {partitions} partitions",
-                "seed 000: raising source parallelism from 48 to 96 on 48 partitions left 48 source subtasks idle "
-                "while adding state, checkpoint work, sink writers and small files; hot keys still hit a few subtasks",
-                f"set parallelism to {partitions} (or add partitions), fix the checkpoint path first, and use "
-                "HotKeyAggregate for skew instead of more parallelism",
-            )
-        )
-    interval = flink.get("checkpointing_interval_ms")
-    timeout = flink.get("checkpoint_timeout_ms")
-    if flink and not interval:
-        findings.append(
-            Finding(
-                "checkpointing-off",
-                "error",
-                "checkpointing is off",
-                "without completed checkpoints Flink never finalizes bundles: Kafka offsets are never committed and "
-                "a restart replays from the beginning of the group's offsets",
-                "set flink.checkpointing_interval_ms (e.g. 10000-60000)",
-            )
-        )
-    if interval and timeout and int(timeout) > 3 * int(interval):
-        findings.append(
-            Finding(
-                "checkpoint-timeout-far-above-interval",
-                "warning",
-                f"checkpoint timeout {timeout} ms is more than 3x the interval {interval} ms",
-                "seed 002: raising the timeout to 30 minutes hides slow checkpoints; Flink does not start a new "
-                "checkpoint while one runs, so the effective interval silently grows and so does replay after a "
-                "failure",
-                "fix throughput and alignment (backpressure) first; keep the timeout near 2x the expected duration",
-            )
-        )
-    min_pause = flink.get("min_pause_between_checkpoints_ms")
-    if interval and not min_pause:
-        findings.append(
-            Finding(
-                "no-min-pause",
-                "warning",
-                "no minimum pause between checkpoints",
-                "a checkpoint that takes as long as the interval is followed at once by the next: the job does "
-                "nothing but checkpoint",
-                "set flink.min_pause_between_checkpoints_ms (e.g. half the interval)",
-            )
-        )
-    gap_ms = int(DEFAULT_ROUND_GAP_S * 1000)
-    if interval and min_pause and int(min_pause) < gap_ms:
-        findings.append(
-            Finding(
-                "min-pause-below-commit-round",
-                "warning",
-                f"minimum pause between checkpoints {int(min_pause)} ms is below ReadFromKafka's {gap_ms} ms "
-                "finalization round gap",
-                f"the read commits offsets one checkpoint late and tells checkpoints apart by a pause of over {gap_ms} "
-                "ms between finalizations; with shorter pauses rounds merge and commits lag further behind",
-                f"set flink.min_pause_between_checkpoints_ms to at least {gap_ms} (e.g. half the interval)",
-            )
-        )
-    backend = str(flink.get("state_backend", "hashmap")).lower()
-    if backend == "rocksdb" and flink.get("incremental") is False:
-        findings.append(
-            Finding(
-                "non-incremental-state",
-                "warning",
-                "RocksDB state without incremental checkpoints",
-                "seed 002: 40 GB uploaded per checkpoint is a full snapshot every time",
-                "set flink.incremental: true",
-            )
-        )
-    if flink and backend == "hashmap" and _get(config, "sessions.gap_s"):
-        findings.append(
-            Finding(
-                "heap-state-for-sessions",
-                "info",
-                "session windows on the heap state backend",
-                "seed 000: 2.5 GB of session state on 8 GB heaps made checkpoints and GC pauses long",
-                "use state_backend: rocksdb with incremental: true for large keyed state",
-            )
-        )
-    if flink.get("unaligned_checkpoints") is None and interval:
-        findings.append(
-            Finding(
-                "aligned-checkpoints-under-backpressure",
-                "info",
-                "unaligned checkpoints not configured",
-                "seed 002: under sustained backpressure barriers queue behind in-flight records (alignment time)",
-                "fix the slow operator first; if alignment still dominates, set flink.unaligned_checkpoints: true",
-            )
-        )
-    if flink and not flink.get("finish_bundle_before_checkpointing"):
-        findings.append(
-            Finding(
-                "offsets-ahead-of-sinks",
-                "error",
-                "bundles are not finished before checkpointing",
-                "Flink then checkpoints a bundle's pending output instead of delivering it, so the Kafka offsets "
-                "committed when the checkpoint completes can run ahead of what the sinks hold (seed 003)",
-                "set flink.finish_bundle_before_checkpointing: true",
-            )
-        )
-    findings.extend(_stall_findings(config, flink, interval))
-    consumer = _get(config, "kafka.consumer_config", {}) or {}
-    if str(consumer.get("enable.auto.commit", consumer.get("enable_auto_commit", "false"))).lower() == "true":
-        findings.append(
-            Finding(
-                "kafka-auto-commit",
-                "error",
-                "auto-commit enabled on the Kafka source",
-                "offsets committed on a timer run ahead of what the sinks hold: a crash loses data (seed 003)",
-                "remove enable.auto.commit; ReadFromKafka commits only from bundle finalizers",
-            )
-        )
-    idle = _get(config, "kafka.idle_timeout_ms")
-    if idle is None:
-        findings.append(
-            Finding(
-                "idleness-off",
-                "warning",
-                "no idleness timeout on the Kafka source",
-                "seed 002: one partition without data between 01:00 and 05:00 pinned the watermark and session "
-                "windows stopped firing",
-                "set kafka.idle_timeout_ms above the normal gap between records (see the live gap check)",
-            )
-        )
-    sink_id = _get(config, "iceberg.sink_id")
-    if _get(config, "iceberg") and not sink_id:
-        findings.append(
-            Finding(
-                "no-stable-sink-id",
-                "error",
-                "the Iceberg sink has no sink_id",
-                "exactly-once marks are keyed by the sink id; without a stable one a restart re-commits "
-                "(iceberg#16008)",
-                "set iceberg.sink_id to a fixed name",
-            )
-        )
-    elif sink_id and _RUN_ID.search(str(sink_id)):
-        findings.append(
-            Finding(
-                "unstable-sink-id",
-                "error",
-                f"the Iceberg sink id {sink_id!r} looks like a run or job id",
-                "a new id per run makes every restart a new writer: the committed marks are not found and data "
-                "is added again",
-                "use a fixed, human-chosen name",
-            )
-        )
-    return findings
-
-
 # Above these, a checkpoint barrier on a backlog waits for more work than a 30 s timeout allows (issue 13: 100,000
 # stalled every checkpoint of the clicks job at 50,000 events).
 MAX_BARRIER_BUNDLE = 5_000
 MAX_READ_CALL_RECORDS = 5_000
 
 
-def _stall_findings(config: Mapping[str, Any], flink: Mapping[str, Any], interval: Any) -> list[Finding]:
-    """Settings that bring back the streaming job's backlog stall (docs/streaming.md says what bounds a barrier)."""
-    if not flink or not flink.get("streaming", True):
-        return []
-    found: list[Finding] = []
-    bundle_size = int(flink.get("max_bundle_size") or 1000)  # Beam's Flink runner streaming default
-    if bundle_size > MAX_BARRIER_BUNDLE:
-        found.append(
-            Finding(
-                "bundle-swallows-backlog",
-                "error",
-                f"flink.max_bundle_size {bundle_size} lets a Python stage take in that many elements before a barrier",
-                "every Python stage finishes its open bundle before it passes a checkpoint barrier on; on a backlog "
-                "each stage's bundle fills to this size, so the barrier waits for all of it (issue 13: at 100,000 no "
-                "checkpoint completed and the job restarted in a loop)",
-                f"keep flink.max_bundle_size at or below {MAX_BARRIER_BUNDLE} (1,000 is Flink's streaming default)",
-            )
-        )
-    read_call = int(_get(config, "kafka.max_bundle_records", 2000) or 2000)
-    if read_call > MAX_READ_CALL_RECORDS:
-        found.append(
-            Finding(
-                "read-call-swallows-backlog",
-                "warning",
-                f"kafka.max_bundle_records {read_call}: one read call emits that many records per partition",
-                "the read stage passes a barrier only after what its call emitted has been handed downstream; on a "
-                "backlog that output queues behind backpressure, and the barrier with it",
-                f"keep kafka.max_bundle_records at or below {MAX_READ_CALL_RECORDS} (about a second of the job's "
-                "per-subtask throughput)",
-            )
-        )
-    bundle_ms = int(flink.get("max_bundle_time_ms") or 1000)
-    if interval and bundle_ms > int(interval) // 2:
-        found.append(
-            Finding(
-                "read-polls-too-rarely",
-                "warning",
-                f"flink.max_bundle_time_ms {bundle_ms} is over half the checkpoint interval",
-                "Beam's Flink runner resumes a read only after the bundle that deferred it ends, so each partition is "
-                "read once per bundle: throughput is capped at kafka.max_bundle_records per bundle time",
-                "keep flink.max_bundle_time_ms near 1000 (barriers end bundles anyway)",
-            )
-        )
-    environment = flink.get("environment", "LOOPBACK")
+@dataclass(frozen=True)
+class Job:
+    """What the static rules read: the job's typed config and the topic's partition count (live, else the conf's)."""
+
+    config: JobConfig
+    partitions: int | None
+
+    @property
+    def flink(self) -> FlinkConfig | None:
+        return self.config.flink
+
+    @property
+    def streaming_flink(self) -> FlinkConfig | None:
+        """The flink section when the job runs as a Flink stream (where the backlog-stall rules apply)."""
+        return self.flink if self.flink is not None and self.flink.streaming else None
+
+
+Rule = Callable[[Job], Finding | None]
+# The static rules, in report order; each is one function named after the finding code it produces.
+RULES: list[Rule] = []
+
+
+def rule(fn: Rule) -> Rule:
+    RULES.append(fn)
+    return fn
+
+
+@rule
+def no_flink_section(job: Job) -> Finding | None:
+    if job.flink is not None:
+        return None
+    return Finding(
+        "no-flink-section",
+        "info",
+        "no flink section: Flink checks skipped",
+        "this config only describes a local run",
+        "add a flink: section (see conf/flink.yaml) to check a deployment",
+    )
+
+
+@rule
+def parallelism_above_partitions(job: Job) -> Finding | None:
+    parallelism = job.flink.parallelism if job.flink else None
+    partitions = job.partitions
+    if not (parallelism and partitions and parallelism > partitions):
+        return None
+    return Finding(
+        "parallelism-above-partitions",
+        "warning",
+        f"parallelism {parallelism} is above the topic's {partitions} partitions",
+        "seed 000: raising source parallelism from 48 to 96 on 48 partitions left 48 source subtasks idle "
+        "while adding state, checkpoint work, sink writers and small files; hot keys still hit a few subtasks",
+        f"set parallelism to {partitions} (or add partitions), fix the checkpoint path first, and use "
+        "HotKeyAggregate for skew instead of more parallelism",
+    )
+
+
+@rule
+def checkpointing_off(job: Job) -> Finding | None:
+    if job.flink is None or job.flink.checkpointing_interval_ms:
+        return None
+    return Finding(
+        "checkpointing-off",
+        "error",
+        "checkpointing is off",
+        "without completed checkpoints Flink never finalizes bundles: Kafka offsets are never committed and "
+        "a restart replays from the beginning of the group's offsets",
+        "set flink.checkpointing_interval_ms (e.g. 10000-60000)",
+    )
+
+
+@rule
+def checkpoint_timeout_far_above_interval(job: Job) -> Finding | None:
+    interval = job.flink.checkpointing_interval_ms if job.flink else None
+    timeout = job.flink.checkpoint_timeout_ms if job.flink else None
+    if not (interval and timeout and timeout > 3 * interval):
+        return None
+    return Finding(
+        "checkpoint-timeout-far-above-interval",
+        "warning",
+        f"checkpoint timeout {timeout} ms is more than 3x the interval {interval} ms",
+        "seed 002: raising the timeout to 30 minutes hides slow checkpoints; Flink does not start a new "
+        "checkpoint while one runs, so the effective interval silently grows and so does replay after a "
+        "failure",
+        "fix throughput and alignment (backpressure) first; keep the timeout near 2x the expected duration",
+    )
+
+
+@rule
+def no_min_pause(job: Job) -> Finding | None:
+    if not (job.flink and job.flink.checkpointing_interval_ms) or job.flink.min_pause_between_checkpoints_ms:
+        return None
+    return Finding(
+        "no-min-pause",
+        "warning",
+        "no minimum pause between checkpoints",
+        "a checkpoint that takes as long as the interval is followed at once by the next: the job does "
+        "nothing but checkpoint",
+        "set flink.min_pause_between_checkpoints_ms (e.g. half the interval)",
+    )
+
+
+@rule
+def min_pause_below_commit_round(job: Job) -> Finding | None:
+    gap_ms = int(DEFAULT_ROUND_GAP_S * 1000)
+    min_pause = job.flink.min_pause_between_checkpoints_ms if job.flink else None
+    if not (job.flink and job.flink.checkpointing_interval_ms and min_pause and min_pause < gap_ms):
+        return None
+    return Finding(
+        "min-pause-below-commit-round",
+        "warning",
+        f"minimum pause between checkpoints {min_pause} ms is below ReadFromKafka's {gap_ms} ms finalization round gap",
+        f"the read commits offsets one checkpoint late and tells checkpoints apart by a pause of over {gap_ms} "
+        "ms between finalizations; with shorter pauses rounds merge and commits lag further behind",
+        f"set flink.min_pause_between_checkpoints_ms to at least {gap_ms} (e.g. half the interval)",
+    )
+
+
+def _state_backend(flink: FlinkConfig) -> str:
+    return str(flink.state_backend or "hashmap").lower()  # Flink's default
+
+
+@rule
+def non_incremental_state(job: Job) -> Finding | None:
+    if not (job.flink and _state_backend(job.flink) == "rocksdb" and job.flink.incremental is False):
+        return None
+    return Finding(
+        "non-incremental-state",
+        "warning",
+        "RocksDB state without incremental checkpoints",
+        "seed 002: 40 GB uploaded per checkpoint is a full snapshot every time",
+        "set flink.incremental: true",
+    )
+
+
+@rule
+def heap_state_for_sessions(job: Job) -> Finding | None:
+    if not (job.flink and _state_backend(job.flink) == "hashmap" and job.config.sessions.gap_s):
+        return None
+    return Finding(
+        "heap-state-for-sessions",
+        "info",
+        "session windows on the heap state backend",
+        "seed 000: 2.5 GB of session state on 8 GB heaps made checkpoints and GC pauses long",
+        "use state_backend: rocksdb with incremental: true for large keyed state",
+    )
+
+
+@rule
+def aligned_checkpoints_under_backpressure(job: Job) -> Finding | None:
+    if not (job.flink and job.flink.checkpointing_interval_ms) or job.flink.unaligned_checkpoints is not None:
+        return None
+    return Finding(
+        "aligned-checkpoints-under-backpressure",
+        "info",
+        "unaligned checkpoints not configured",
+        "seed 002: under sustained backpressure barriers queue behind in-flight records (alignment time)",
+        "fix the slow operator first; if alignment still dominates, set flink.unaligned_checkpoints: true",
+    )
+
+
+@rule
+def offsets_ahead_of_sinks(job: Job) -> Finding | None:
+    if job.flink is None or job.flink.finish_bundle_before_checkpointing:
+        return None
+    return Finding(
+        "offsets-ahead-of-sinks",
+        "error",
+        "bundles are not finished before checkpointing",
+        "Flink then checkpoints a bundle's pending output instead of delivering it, so the Kafka offsets "
+        "committed when the checkpoint completes can run ahead of what the sinks hold (seed 003)",
+        "set flink.finish_bundle_before_checkpointing: true",
+    )
+
+
+# Settings that bring back the streaming job's backlog stall (docs/streaming.md says what bounds a barrier).
+
+
+@rule
+def bundle_swallows_backlog(job: Job) -> Finding | None:
+    flink = job.streaming_flink
+    bundle_size = (flink.max_bundle_size or 1000) if flink else 0  # Beam's Flink runner streaming default
+    if bundle_size <= MAX_BARRIER_BUNDLE:
+        return None
+    return Finding(
+        "bundle-swallows-backlog",
+        "error",
+        f"flink.max_bundle_size {bundle_size} lets a Python stage take in that many elements before a barrier",
+        "every Python stage finishes its open bundle before it passes a checkpoint barrier on; on a backlog "
+        "each stage's bundle fills to this size, so the barrier waits for all of it (issue 13: at 100,000 no "
+        "checkpoint completed and the job restarted in a loop)",
+        f"keep flink.max_bundle_size at or below {MAX_BARRIER_BUNDLE} (1,000 is Flink's streaming default)",
+    )
+
+
+@rule
+def read_call_swallows_backlog(job: Job) -> Finding | None:
+    read_call = job.config.kafka.max_bundle_records if job.config.kafka else 0
+    if job.streaming_flink is None or read_call <= MAX_READ_CALL_RECORDS:
+        return None
+    return Finding(
+        "read-call-swallows-backlog",
+        "warning",
+        f"kafka.max_bundle_records {read_call}: one read call emits that many records per partition",
+        "the read stage passes a barrier only after what its call emitted has been handed downstream; on a "
+        "backlog that output queues behind backpressure, and the barrier with it",
+        f"keep kafka.max_bundle_records at or below {MAX_READ_CALL_RECORDS} (about a second of the job's "
+        "per-subtask throughput)",
+    )
+
+
+def _bundle_ms(flink: FlinkConfig) -> int:
+    return flink.max_bundle_time_ms or 1000  # Beam's Flink runner default
+
+
+@rule
+def read_polls_too_rarely(job: Job) -> Finding | None:
+    flink = job.streaming_flink
+    interval = flink.checkpointing_interval_ms if flink else None
+    if not (flink and interval and _bundle_ms(flink) > interval // 2):
+        return None
+    return Finding(
+        "read-polls-too-rarely",
+        "warning",
+        f"flink.max_bundle_time_ms {_bundle_ms(flink)} is over half the checkpoint interval",
+        "Beam's Flink runner resumes a read only after the bundle that deferred it ends, so each partition is "
+        "read once per bundle: throughput is capped at kafka.max_bundle_records per bundle time",
+        "keep flink.max_bundle_time_ms near 1000 (barriers end bundles anyway)",
+    )
+
+
+@rule
+def loopback_workers(job: Job) -> Finding | None:
+    flink = job.streaming_flink
+    environment = flink.environment if flink else None
     kind = str(environment.get("type", "LOOPBACK") if isinstance(environment, Mapping) else environment).upper()
-    if kind == "LOOPBACK":
-        parallel = int(flink.get("parallelism") or 1) > 1
-        found.append(
-            Finding(
-                "loopback-workers",
-                "warning" if parallel else "info",
-                "the Python workers run inside the submitting process (LOOPBACK)",
-                "every slot's Python shares one interpreter (one GIL) with the submitter, which must stay up: the "
-                "job dies with it, and parallelism adds no Python throughput",
-                "use environment: PROCESS (workers beside each TaskManager) or EXTERNAL worker pools",
-            )
-        )
-    if str(_get(config, "dedup.strategy", "auto")) == "state":
-        found.append(
-            Finding(
-                "per-event-state-round-trips",
-                "warning",
-                "dedup.strategy state on a Flink stream",
-                "on portable runners each per-key state read is a blocking round trip from the Python worker to the "
-                "runner, one per event: the dedup stage then bounds the whole job's throughput (issue 13)",
-                "use dedup.strategy: store (or auto), one PostgreSQL transaction per bundle",
-            )
-        )
-    tolerated = flink.get("tolerable_failed_checkpoints")
-    if flink.get("fail_on_checkpointing_errors") is not False and not tolerated:
-        found.append(
-            Finding(
-                "no-tolerated-checkpoint-failures",
-                "warning",
-                "a single failed checkpoint restarts the job",
-                "Beam's Flink runner tolerates no failed checkpoint by default: one slow checkpoint on a loaded "
-                "machine restarts every task and re-reads from the last completed one",
-                "set flink.tolerable_failed_checkpoints (e.g. 3) on the cluster",
-            )
-        )
-    if _get(config, "iceberg") and interval and bundle_ms < int(interval):
-        found.append(
-            Finding(
-                "iceberg-commit-per-bundle",
-                "info",
-                f"Iceberg commits once per bundle (up to every {bundle_ms / 1000:g}s per subtask while data flows)",
-                "WriteToIceberg commits in finish_bundle so the group's offsets never run ahead of the table; "
-                "short bundles keep barriers fast but make small files and many snapshots (iceberg#2404)",
-                "schedule `beamflow iceberg compact` and `beamflow iceberg expire` (or the sink's expire_keep_last)",
-            )
-        )
-    return found
+    if flink is None or kind != "LOOPBACK":
+        return None
+    parallel = (flink.parallelism or 1) > 1
+    return Finding(
+        "loopback-workers",
+        "warning" if parallel else "info",
+        "the Python workers run inside the submitting process (LOOPBACK)",
+        "every slot's Python shares one interpreter (one GIL) with the submitter, which must stay up: the "
+        "job dies with it, and parallelism adds no Python throughput",
+        "use environment: PROCESS (workers beside each TaskManager) or EXTERNAL worker pools",
+    )
+
+
+@rule
+def per_event_state_round_trips(job: Job) -> Finding | None:
+    if job.streaming_flink is None or job.config.dedup.strategy != "state":
+        return None
+    return Finding(
+        "per-event-state-round-trips",
+        "warning",
+        "dedup.strategy state on a Flink stream",
+        "on portable runners each per-key state read is a blocking round trip from the Python worker to the "
+        "runner, one per event: the dedup stage then bounds the whole job's throughput (issue 13)",
+        "use dedup.strategy: store (or auto), one PostgreSQL transaction per bundle",
+    )
+
+
+@rule
+def no_tolerated_checkpoint_failures(job: Job) -> Finding | None:
+    flink = job.streaming_flink
+    if flink is None or flink.fail_on_checkpointing_errors is False or flink.tolerable_failed_checkpoints:
+        return None
+    return Finding(
+        "no-tolerated-checkpoint-failures",
+        "warning",
+        "a single failed checkpoint restarts the job",
+        "Beam's Flink runner tolerates no failed checkpoint by default: one slow checkpoint on a loaded "
+        "machine restarts every task and re-reads from the last completed one",
+        "set flink.tolerable_failed_checkpoints (e.g. 3) on the cluster",
+    )
+
+
+@rule
+def iceberg_commit_per_bundle(job: Job) -> Finding | None:
+    flink = job.streaming_flink
+    interval = flink.checkpointing_interval_ms if flink else None
+    if not (flink and job.config.iceberg and interval and _bundle_ms(flink) < interval):
+        return None
+    bundle_ms = _bundle_ms(flink)
+    return Finding(
+        "iceberg-commit-per-bundle",
+        "info",
+        f"Iceberg commits once per bundle (up to every {bundle_ms / 1000:g}s per subtask while data flows)",
+        "WriteToIceberg commits in finish_bundle so the group's offsets never run ahead of the table; "
+        "short bundles keep barriers fast but make small files and many snapshots (iceberg#2404)",
+        "schedule `beamflow iceberg compact` and `beamflow iceberg expire` (or the sink's expire_keep_last)",
+    )
+
+
+@rule
+def kafka_auto_commit(job: Job) -> Finding | None:
+    # kafka.consumer_config is what pipelines/clicks.py hands to ReadFromKafka's consumer.
+    consumer = job.config.kafka.consumer_config if job.config.kafka else {}
+    if str(consumer.get("enable.auto.commit", consumer.get("enable_auto_commit", "false"))).lower() != "true":
+        return None
+    return Finding(
+        "kafka-auto-commit",
+        "error",
+        "auto-commit enabled on the Kafka source",
+        "offsets committed on a timer run ahead of what the sinks hold: a crash loses data (seed 003)",
+        "remove enable.auto.commit; ReadFromKafka commits only from bundle finalizers",
+    )
+
+
+@rule
+def idleness_off(job: Job) -> Finding | None:
+    if job.config.kafka is None or job.config.kafka.idle_timeout_ms is not None:
+        return None
+    return Finding(
+        "idleness-off",
+        "warning",
+        "no idleness timeout on the Kafka source",
+        "seed 002: one partition without data between 01:00 and 05:00 pinned the watermark and session "
+        "windows stopped firing",
+        "set kafka.idle_timeout_ms above the normal gap between records (see the live gap check)",
+    )
+
+
+@rule
+def no_stable_sink_id(job: Job) -> Finding | None:
+    if job.config.iceberg is None or job.config.iceberg.sink_id:
+        return None
+    return Finding(
+        "no-stable-sink-id",
+        "error",
+        "the Iceberg sink has no sink_id",
+        "exactly-once marks are keyed by the sink id; without a stable one a restart re-commits (iceberg#16008)",
+        "set iceberg.sink_id to a fixed name",
+    )
+
+
+@rule
+def unstable_sink_id(job: Job) -> Finding | None:
+    sink_id = job.config.iceberg.sink_id if job.config.iceberg else None
+    if not (sink_id and _RUN_ID.search(sink_id)):
+        return None
+    return Finding(
+        "unstable-sink-id",
+        "error",
+        f"the Iceberg sink id {sink_id!r} looks like a run or job id",
+        "a new id per run makes every restart a new writer: the committed marks are not found and data is added again",
+        "use a fixed, human-chosen name",
+    )
+
+
+def rule_code(fn: Rule) -> str:
+    """The finding code a rule produces: its function name with dashes."""
+    return fn.__name__.replace("_", "-")
+
+
+def check_config(config: JobConfig | Mapping[str, Any], partitions: int | None = None) -> list[Finding]:
+    """Static findings for a job config (``conf/*.yaml`` after overrides): every rule of ``RULES`` in order.
+    ``partitions`` (the topic's live count) overrides ``kafka.partitions``."""
+    typed = as_job_config(config)
+    if partitions is None and typed.kafka is not None:
+        partitions = typed.kafka.partitions
+    job = Job(typed, partitions)
+    return [finding for check in RULES if (finding := check(job)) is not None]
 
 
 def check_unstable_names(labels: list[str]) -> list[Finding]:

@@ -19,10 +19,11 @@ partition's offsets in one request after all sinks (``CommitOffsetsAfter``): a r
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,8 +32,16 @@ from apache_beam.runners.runner import PipelineResult
 from apache_beam.transforms.window import Sessions
 
 from beamflow.aggregates import SessionClicksFn
-from beamflow.config import load_config, resolve_auto
-from beamflow.generate import EVENT_ID_FIELDS, load_click_schema
+from beamflow.config import (
+    ConfigError,
+    JobConfig,
+    as_job_config,
+    load_job_config,
+    required,
+    resolve_auto,
+    start_services,
+)
+from beamflow.generate import load_click_schema
 from beamflow.iceberg.catalog import CatalogConfig
 from beamflow.postgres.sessions import sessions_spec as _sessions_table_spec
 from beamflow.postgres.table import TableSpec
@@ -47,10 +56,21 @@ from transforms.write_sessions import WriteSessions
 from transforms.write_to_iceberg import WriteToIceberg
 from transforms.write_to_postgres import WriteToPostgres
 
-__all__ = ["SESSIONS_SPEC", "ClicksJob", "build_pipeline", "dead_letter_spec", "main", "quarantine_spec"]
+__all__ = [
+    "EVENT_ID_FIELDS",
+    "SESSIONS_SPEC",
+    "ClicksJob",
+    "build_pipeline",
+    "dead_letter_spec",
+    "main",
+    "quarantine_spec",
+]
 
 _LOG = logging.getLogger("pipelines.clicks")
 DEFAULT_CONF = "conf/clicks.yaml"
+# The fields that identify one click event (its id is derived from them): a producer's duplicate send repeats all of
+# them, two distinct events never do.
+EVENT_ID_FIELDS = ("user_id", "ad_id", "campaign_id", "event_type", "event_time")
 
 
 def sessions_spec(table: str) -> TableSpec:
@@ -158,46 +178,47 @@ class ClicksJob:
     sessions: beam.PCollection
 
 
-def build_pipeline(p: beam.Pipeline, config: dict[str, Any]) -> ClicksJob:
-    kafka, pg, ice = config["kafka"], config["postgres"], config["iceberg"]
-    sessions_conf, dedup_conf = config["sessions"], config["dedup"]
+def build_pipeline(p: beam.Pipeline, config: JobConfig | Mapping[str, Any]) -> ClicksJob:
+    job = as_job_config(config)
+    kafka, pg, ice = required(job.kafka, "kafka"), required(job.postgres, "postgres"), required(job.iceberg, "iceberg")
+    registry, sessions_conf, dedup_conf = required(job.registry, "registry"), job.sessions, job.dedup
 
-    bounded = bool(kafka.get("bounded", False))
+    bounded = kafka.bounded
     records = p | "ReadClicks" >> ReadFromKafka(
-        kafka["bootstrap"],
-        [kafka["topic"]],
-        group_id=kafka["group_id"],
-        backend=kafka.get("backend", "confluent"),
-        start=StartPolicy(kafka.get("start", "earliest")),
+        kafka.bootstrap,
+        [kafka.topic],
+        group_id=kafka.group_id,
+        backend=kafka.backend,
+        start=StartPolicy(kafka.start),
         stop=StopPolicy(at_end_offsets=bounded),
-        max_delay_ms=int(kafka.get("max_delay_ms", 0)),
-        idle_timeout_ms=kafka.get("idle_timeout_ms"),
-        max_bundle_records=int(kafka.get("max_bundle_records", 2000)),
-        consumer_config=kafka.get("consumer_config") or None,
+        max_delay_ms=kafka.max_delay_ms,
+        idle_timeout_ms=kafka.idle_timeout_ms,
+        max_bundle_records=kafka.max_bundle_records,
+        consumer_config=dict(kafka.consumer_config) or None,
         # A bounded run commits after its sinks (CommitOffsetsAfter below); a streaming one on finalization.
         commit_offsets=not bounded,
     )
-    decoded = records | "DecodeAvro" >> DecodeAvro(config["registry"]["url"], reader_schema=load_click_schema(2))
+    decoded = records | "DecodeAvro" >> DecodeAvro(registry.url, reader_schema=load_click_schema(2))
     events = (
         decoded.decoded
         | "ToClickEvents" >> beam.Map(click_event)
         | "WithEventId" >> AttachEventId(fields=EVENT_ID_FIELDS)
     )
     dedup = events | "Deduplicate" >> DeduplicateEvents(
-        ttl=int(dedup_conf.get("ttl_s", 86400)),
-        table=_first_copy_table(config),
-        strategy=dedup_conf.get("strategy", "auto"),
+        ttl=dedup_conf.ttl_s,
+        table=_first_copy_table(job),
+        strategy=dedup_conf.strategy,
     )
 
-    catalog = CatalogConfig(warehouse=ice["catalog"]["warehouse"], uri=ice["catalog"].get("uri", ""))
+    catalog = CatalogConfig(warehouse=ice.catalog.warehouse, uri=ice.catalog.uri)
     iceberg = (
         dedup.unique
         | "ToImpressionRows" >> beam.Map(impression_row)
         | "WriteImpressions"
         >> WriteToIceberg(
-            ice["table"],
+            ice.table,
             catalog,
-            sink_id=ice["sink_id"],
+            sink_id=required(ice.sink_id, "iceberg.sink_id"),
             partition_by=[("event_time", "day")],
             # Deduplication shuffles by event id, so a partition's offsets can reach the committer out of order:
             # exactly-once here rests on the deterministic event id (looked up within the batch's days), with the
@@ -213,12 +234,12 @@ def build_pipeline(p: beam.Pipeline, config: dict[str, Any]) -> ClicksJob:
         | "SessionAggregates"
         >> HotKeyAggregate(
             SessionClicksFn(),
-            windowfn=Sessions(int(sessions_conf.get("gap_s", 600))),
+            windowfn=Sessions(sessions_conf.gap_s),
             # A bounded batch run lifts every key (partial sessions per bundle, merged per key); hot keys are for the
             # windowed strategy, which the job no longer uses on a stream.
-            hot_keys=(sessions_conf.get("hot_keys") or ()) if bounded else (),
-            fanout=int(sessions_conf.get("fanout", 16)),
-            allowed_lateness=int(sessions_conf.get("allowed_lateness_s", 0)),
+            hot_keys=sessions_conf.hot_keys if bounded else (),
+            fanout=sessions_conf.fanout,
+            allowed_lateness=sessions_conf.allowed_lateness_s,
             shard_by=lambda e: e["event_id"],
             # A stream writes each bundle's partial sessions and WriteSessions merges them with the stored ones:
             # no window state or firing bursts in the way of checkpoints, and no event is too late to count.
@@ -229,42 +250,35 @@ def build_pipeline(p: beam.Pipeline, config: dict[str, Any]) -> ClicksJob:
     sessions_written = (
         sessions
         | "ToSessionRows" >> beam.Map(session_row)
-        | "WriteSessions" >> WriteSessions(pg["dsn"], pg["sessions_table"])
+        | "WriteSessions" >> WriteSessions(pg.dsn, pg.sessions_table)
     )
     quarantine = dedup.quarantine | "ToQuarantineRows" >> beam.Map(quarantine_row)
     quarantine_written = quarantine | "WriteQuarantine" >> WriteToPostgres(
-        pg["dsn"], quarantine_spec(pg["quarantine_table"]), create=True
+        pg.dsn, quarantine_spec(pg.quarantine_table), create=True
     )
     dead_letters = (
         decoded.dead_letters,
         iceberg.dead_letter,
         quarantine_written.dead_letters,
     ) | "AllDeadLetters" >> beam.Flatten()
-    dlq_conf = config.get("dead_letters") or {}
-    if dlq_conf.get("sink", "postgres") == "kafka":
-        dlq = WriteDeadLetters(
-            "kafka", bootstrap=kafka["bootstrap"], topic=dlq_conf.get("topic") or f"{kafka['topic']}-dlq"
-        )
+    dlq_conf = job.dead_letters
+    if dlq_conf.sink == "kafka":
+        dlq = WriteDeadLetters("kafka", bootstrap=kafka.bootstrap, topic=dlq_conf.topic or f"{kafka.topic}-dlq")
     else:
-        dlq = WriteDeadLetters("postgres", dsn=pg["dsn"], table=pg["dead_letters_table"])
+        dlq = WriteDeadLetters("postgres", dsn=pg.dsn, table=pg.dead_letters_table)
     dead_letters_written = dead_letters | "WriteDeadLetters" >> dlq
     if bounded:
         # Every sink's last step: the quarantine writes end in dead letters, which end in the DLQ.
         records | "CommitOffsetsAfterSinks" >> CommitOffsetsAfter(
-            kafka["bootstrap"],
-            kafka["group_id"],
+            kafka.bootstrap,
+            kafka.group_id,
             after=[iceberg.commits, sessions_written, dead_letters_written],
-            backend=kafka.get("backend", "confluent"),
+            backend=kafka.backend,
         )
     return ClicksJob(records, dedup.unique, dead_letters, dedup.quarantine, sessions)
 
 
-def first_copies_table(postgres: dict[str, Any]) -> str:
-    """The dedup's table of first copies: ``postgres.first_copies_table``, else ``<quarantine_table>_first_copies``."""
-    return str(postgres.get("first_copies_table") or f"{postgres['quarantine_table']}_first_copies")
-
-
-def _first_copy_table(config: dict[str, Any]) -> FirstCopyTable | None:
+def _first_copy_table(config: JobConfig) -> FirstCopyTable | None:
     """The dedup's PostgreSQL table for ``dedup.strategy`` ``auto`` (the default) or ``store``.
 
     Why the store in every mode: on portable runners per-key state is a blocking round trip per event, while the
@@ -272,9 +286,9 @@ def _first_copy_table(config: dict[str, Any]) -> FirstCopyTable | None:
     duplicate whose original came in an earlier run is quarantined too (a per-run grouping cannot see it, and the
     sessions would count it twice). ``grouped`` and ``state`` keep the runner-only strategies.
     """
-    strategy = (config.get("dedup") or {}).get("strategy", "auto")
-    if strategy in ("auto", "store"):
-        return FirstCopyTable(config["postgres"]["dsn"], first_copies_table(config["postgres"]))
+    if config.dedup.strategy in ("auto", "store"):
+        pg = required(config.postgres, "postgres")
+        return FirstCopyTable(pg.dsn, pg.first_copies)
     return None
 
 
@@ -284,6 +298,13 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     parser.add_argument("--runner", default="DirectRunner", help="DirectRunner (pinned local runner) or FlinkRunner")
     parser.add_argument(
+        "--start-services",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="start the local services the conf's `auto` endpoints name before running (default: yes; with "
+        "--no-start-services an `auto` service that is not running is an error)",
+    )
+    parser.add_argument(
         "--attached",
         action="store_true",
         help="FlinkRunner: wait until the job ends (default: return once it runs; LOOPBACK jobs always wait)",
@@ -291,14 +312,15 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     return parser.parse_known_args(argv)
 
 
-def pipeline_options(runner: str, beam_args: Sequence[str], config: dict[str, Any]) -> Any:
+def pipeline_options(runner: str, beam_args: Sequence[str], config: JobConfig | Mapping[str, Any]) -> Any:
+    job = as_job_config(config)
     if runner == "FlinkRunner":
         from runners.flink import flink_options
 
-        return flink_options(config.get("flink", {}), beam_args)
+        return flink_options(job.flink.settings() if job.flink else {}, beam_args)
     if runner not in ("DirectRunner", "FnApiRunner"):
         raise SystemExit(f"unknown --runner {runner}: use DirectRunner or FlinkRunner")
-    if not config.get("kafka", {}).get("bounded", False):
+    if not (job.kafka and job.kafka.bounded):
         # FnApiRunner runs stage after stage: the read of a stream never finishes, so nothing after it ever runs.
         raise SystemExit(
             "kafka.bounded=false needs a streaming runner: the local runner (FnApiRunner) runs stage after stage "
@@ -310,24 +332,29 @@ def pipeline_options(runner: str, beam_args: Sequence[str], config: dict[str, An
 
 
 def run_with_config(
-    config: dict[str, Any], runner: str = "DirectRunner", beam_args: Sequence[str] = (), attached: bool = True
+    config: JobConfig | Mapping[str, Any],
+    runner: str = "DirectRunner",
+    beam_args: Sequence[str] = (),
+    attached: bool = True,
 ) -> PipelineResult:
     """Builds and runs the job for an already resolved config.
 
     Waits until it finishes, except a Flink job with ``attached=False`` whose workers run beside the TaskManagers:
     that returns once the job runs, and the job goes on without this process.
     """
-    flink = config.get("flink") or {}
+    job = as_job_config(config)
+    if runner == "FlinkRunner" and not (job.flink and job.flink.job_name):
+        job = job.with_flink(job_name=job.job.name)
+    flink = job.flink.settings() if job.flink else {}
     if runner == "FlinkRunner":
         from runners.flink import SubmissionError, check_reachable
 
-        flink.setdefault("job_name", config.get("job", {}).get("name"))
         try:
             check_reachable(flink)
         except SubmissionError as exc:
             raise SystemExit(f"beamflow: {exc}") from None
-    p = beam.Pipeline(options=pipeline_options(runner, beam_args, config))
-    build_pipeline(p, config)
+    p = beam.Pipeline(options=pipeline_options(runner, beam_args, job))
+    build_pipeline(p, job)
     result = p.run()
     if runner == "FlinkRunner" and not attached:
         from runners.flink import environment_kind, wait_until_running
@@ -345,7 +372,7 @@ def run_with_config(
     return result
 
 
-def for_runner(config: dict[str, Any], runner: str) -> dict[str, Any]:
+def for_runner(config: JobConfig | Mapping[str, Any], runner: str) -> JobConfig:
     """The job's config as ``runner`` runs it.
 
     A streaming Flink job reads the topic as a stream: ``kafka.bounded`` (true in ``conf/clicks.yaml`` for the local
@@ -353,22 +380,29 @@ def for_runner(config: dict[str, Any], runner: str) -> dict[str, Any]:
     end-of-input groupings fire (sources stay up for checkpoints), and its after-the-sinks commit needs side inputs
     that Beam's Flink runner cannot checkpoint in streaming mode. ``flink.streaming=false`` runs a bounded batch job.
     """
+    job = as_job_config(config)
     if runner != "FlinkRunner":
-        config.pop("flink", None)
-        return config
-    if (config.get("flink") or {}).get("streaming", True) and config["kafka"].get("bounded"):
-        _LOG.info(
-            "streaming Flink job: reading %s as a stream (kafka.bounded applies to batch runs)",
-            config["kafka"]["topic"],
-        )
-        config["kafka"]["bounded"] = False
-    return config
+        return dataclasses.replace(job, flink=None)
+    kafka = required(job.kafka, "kafka")
+    if (job.flink is None or job.flink.streaming) and kafka.bounded:
+        _LOG.info("streaming Flink job: reading %s as a stream (kafka.bounded applies to batch runs)", kafka.topic)
+        job = dataclasses.replace(job, kafka=dataclasses.replace(kafka, bounded=False))
+    return job
 
 
 def run(argv: Sequence[str] | None = None) -> PipelineResult:
     args, beam_args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    config = for_runner(load_config(args.conf, args.set), args.runner)
-    return run_with_config(resolve_auto(config), args.runner, beam_args, attached=args.attached)
+    try:
+        config = for_runner(load_job_config(args.conf, args.set), args.runner)
+        if args.start_services:
+            # Explicit: the local services this run's `auto` endpoints name (already running ones are left as they are).
+            started = start_services(config)
+            if started:
+                _LOG.info("local services for the conf's auto endpoints: %s (running)", ", ".join(started))
+        config = resolve_auto(config)
+    except ConfigError as exc:
+        raise SystemExit(f"beamflow: {exc}") from None
+    return run_with_config(config, args.runner, beam_args, attached=args.attached)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

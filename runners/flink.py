@@ -70,6 +70,8 @@ from typing import Any
 
 from apache_beam.options.pipeline_options import PipelineOptions
 
+from beamflow.config import FlinkConfig, JobConfig
+
 _LOG = logging.getLogger(__name__)
 
 __all__ = [
@@ -119,27 +121,25 @@ _CLUSTER_ONLY = {
     "task_slots",
     "tolerable_failed_checkpoints",
 }
-_KNOWN = (
-    set(_VALUE_FLAGS)
-    | set(_BOOL_FLAGS)
-    | _CLUSTER_ONLY
-    | {
-        "environment",
-        "restart_strategy",
-        "streaming",
-        "files_to_stage",
-        "fail_on_checkpointing_errors",
-        "rest_url",
-    }
-)
+# Handled by flink_flags or cluster_settings themselves.
+_OTHER = {"environment", "restart_strategy", "streaming", "files_to_stage", "fail_on_checkpointing_errors", "rest_url"}
+# The keys of the flink: section are FlinkConfig's fields (beamflow/config.py); each one goes somewhere here.
+_KNOWN = set(_VALUE_FLAGS) | set(_BOOL_FLAGS) | _CLUSTER_ONLY | _OTHER
 _STATE_BACKENDS = {"rocksdb", "hashmap"}
 
 
-def flink_flags(config: Mapping[str, Any]) -> list[str]:
+def _section(config: FlinkConfig | Mapping[str, Any]) -> Mapping[str, Any]:
+    """A flink: section as the keys that are set; a mapping is validated against FlinkConfig (unknown keys are named,
+    with the nearest known one)."""
+    if isinstance(config, FlinkConfig):
+        return config.settings()
+    flink = JobConfig.from_dict({"flink": dict(config)}).flink
+    return {k: config[k] for k in config} if flink is not None else {}
+
+
+def flink_flags(config: FlinkConfig | Mapping[str, Any]) -> list[str]:
     """The ``--flag=value`` list for a ``flink:`` config section; raises ValueError naming any unknown key."""
-    unknown = sorted(set(config) - _KNOWN)
-    if unknown:
-        raise ValueError(f"unknown flink setting(s) {unknown}; known: {sorted(_KNOWN)}")
+    config = _section(config)
     flags = ["--runner=FlinkRunner"]
     if config.get("streaming", True):
         flags.append("--streaming")
@@ -165,13 +165,14 @@ def flink_flags(config: Mapping[str, Any]) -> list[str]:
     return flags
 
 
-def flink_options(config: Mapping[str, Any], argv: Sequence[str] = ()) -> PipelineOptions:
+def flink_options(config: FlinkConfig | Mapping[str, Any], argv: Sequence[str] = ()) -> PipelineOptions:
     """PipelineOptions for FlinkRunner: the config section first, then ``argv`` (later flags win)."""
     return PipelineOptions([*flink_flags(config), *argv])
 
 
-def cluster_settings(config: Mapping[str, Any]) -> dict[str, Any]:
+def cluster_settings(config: FlinkConfig | Mapping[str, Any]) -> dict[str, Any]:
     """The config.yaml entries a ``flink:`` section implies for the cluster (``FlinkService(settings=...)``)."""
+    config = _section(config)
     settings: dict[str, Any] = {}
     if config.get("state_backend"):
         settings["state.backend.type"] = config["state_backend"]
@@ -274,11 +275,12 @@ class SubmissionError(RuntimeError):
     """A job could not be handed to the Flink cluster; the message is one line saying what to fix."""
 
 
-def check_reachable(config: Mapping[str, Any], timeout_s: float = 5.0) -> None:
+def check_reachable(config: FlinkConfig | Mapping[str, Any], timeout_s: float = 5.0) -> None:
     """Before submitting: the job server answers, and an EXTERNAL worker pool listens (else one clear line).
 
     Without this, an endpoint that does not answer surfaces a minute later as a bare ``grpc.FutureTimeoutError``.
     """
+    config = _section(config)
     endpoint = str(config.get("job_endpoint") or "")
     if not endpoint or endpoint == "auto":
         raise SubmissionError(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -21,7 +22,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from beamflow.config import load_config
+    from beamflow.config import ConfigError, load_job_config
     from beamflow.doctor import (
         check_checkpoint_stats,
         check_config,
@@ -30,15 +31,19 @@ def run(args: argparse.Namespace) -> int:
         sample_record_gaps,
     )
 
-    config = load_config(args.conf, args.set)
+    try:
+        config = load_job_config(args.conf, args.set)
+    except (ConfigError, OSError) as exc:
+        print(f"beamflow doctor: {exc}", file=sys.stderr)
+        return 2
     partitions = None
     findings = []
-    kafka = config.get("kafka", {})
-    if args.kafka:
+    if args.kafka and config.kafka is not None:
         from beamflow.kafka.admin import topic_partition_count
 
-        partitions = topic_partition_count(args.kafka, kafka["topic"])
-        findings += check_record_gaps(sample_record_gaps(args.kafka, kafka["topic"]), kafka.get("idle_timeout_ms"))
+        topic = config.kafka.topic
+        partitions = topic_partition_count(args.kafka, topic)
+        findings += check_record_gaps(sample_record_gaps(args.kafka, topic), config.kafka.idle_timeout_ms)
     findings = check_config(config, partitions) + findings
     if args.pipeline:
         import importlib
@@ -56,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
             print("doctor: no running Flink job to inspect")
         else:
             stats = rest.checkpoints(job_id)
-            findings += check_checkpoint_stats(stats, (config.get("flink") or {}).get("checkpointing_interval_ms"))
+            interval = config.flink.checkpointing_interval_ms if config.flink else None
+            findings += check_checkpoint_stats(stats, interval)
     if args.json:
         print(json.dumps([f.__dict__ for f in findings], indent=2))
     else:

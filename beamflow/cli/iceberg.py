@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 from beamflow.iceberg.catalog import CatalogConfig, open_catalog
 
@@ -13,12 +16,18 @@ __all__ = ["register"]
 
 def _catalog_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("table", help="namespace.table")
-    parser.add_argument("--warehouse", required=True, help="warehouse folder (or file:// URI) holding the table files")
+    parser.add_argument(
+        "--warehouse",
+        default=None,
+        help="warehouse folder (or file:// URI) holding the table files; default: the local one that "
+        "`iceberg.catalog.warehouse: auto` means (under BEAMFLOW_DATA, default .data)",
+    )
     parser.add_argument(
         "--catalog-uri",
-        default="",
-        help="SQLAlchemy URI of the catalog (sqlite:///... or postgresql+psycopg2://...;"
-        " a postgresql:// DSN works); default: SQLite catalog.db in the warehouse",
+        default=None,
+        help="SQLAlchemy URI of the catalog (sqlite:///... or postgresql+psycopg2://...; a postgresql:// DSN works); "
+        "default: with --warehouse, SQLite catalog.db in the warehouse, else the local catalog that "
+        "`iceberg.catalog.uri: auto` means",
     )
 
 
@@ -55,13 +64,46 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def _config(args: argparse.Namespace) -> CatalogConfig:
-    return CatalogConfig(warehouse=args.warehouse, uri=args.catalog_uri)
+    """The catalog named on the command line, else the local one conf/clicks.yaml's ``auto`` means."""
+    if args.warehouse is None and not args.catalog_uri:
+        from beamflow.config import local_iceberg_catalog
+
+        local = local_iceberg_catalog()
+        return CatalogConfig(warehouse=local.warehouse, uri=local.uri)
+    if args.warehouse is None:
+        raise SystemExit(
+            f"beamflow iceberg {getattr(args, 'iceberg_action', 'audit')}: --catalog-uri needs --warehouse too"
+        )
+    return CatalogConfig(warehouse=args.warehouse, uri=args.catalog_uri or "")
+
+
+def _table_loader(args: argparse.Namespace) -> Callable[[], Any]:
+    """Loads ``args.table`` from the catalog; a table (or namespace) that does not exist ends the command in one line
+    with exit code 2."""
+    from pyiceberg.exceptions import NoSuchNamespaceError, NoSuchTableError
+
+    config = _config(args)
+    catalog = open_catalog(config)
+
+    def load() -> Any:
+        try:
+            return catalog.load_table(args.table)
+        except (NoSuchTableError, NoSuchNamespaceError, ValueError):
+            print(
+                f"beamflow iceberg: no table {args.table!r} in the catalog {config.uri or '(warehouse SQLite)'} "
+                f"(warehouse {config.warehouse}); pass --warehouse/--catalog-uri for another catalog",
+                file=sys.stderr,
+            )
+            raise SystemExit(2) from None
+
+    load()  # refused here, before any work
+    return load
 
 
 def run_audit(args: argparse.Namespace) -> int:
     from beamflow.iceberg.audit import audit_table
 
-    table = open_catalog(_config(args)).load_table(args.table)
+    table = _table_loader(args)()
     report = audit_table(table, id_column=args.id_column or None, history=args.history)
     print(report.to_json() if args.json else report.to_text())
     return 0 if report.clean else 1
@@ -70,9 +112,9 @@ def run_audit(args: argparse.Namespace) -> int:
 def run_expire(args: argparse.Namespace) -> int:
     from beamflow.iceberg.maintenance import expire_snapshots
 
-    catalog = open_catalog(_config(args))
+    load = _table_loader(args)
     older_than_ms = int((time.time() - args.older_than_s) * 1000) if args.older_than_s is not None else None
-    result = expire_snapshots(lambda: catalog.load_table(args.table), keep_last=args.keep, older_than_ms=older_than_ms)
+    result = expire_snapshots(load, keep_last=args.keep, older_than_ms=older_than_ms)
     print(json.dumps({"expired": len(result.expired), "kept": result.kept, "attempts": result.attempts}))
     return 0
 
@@ -80,9 +122,8 @@ def run_expire(args: argparse.Namespace) -> int:
 def run_compact(args: argparse.Namespace) -> int:
     from beamflow.iceberg.maintenance import compact_files
 
-    catalog = open_catalog(_config(args))
     result = compact_files(
-        lambda: catalog.load_table(args.table),
+        _table_loader(args),
         small_file_bytes=int(args.small_file_mb * 1024 * 1024),
         min_input_files=args.min_files,
     )

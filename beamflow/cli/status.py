@@ -268,11 +268,12 @@ def run(args: argparse.Namespace) -> int:
         rest = _rest(args)
         config = None
         if args.conf:
-            from beamflow.config import load_config, resolve_auto
+            from beamflow.config import load_job_config, resolve_auto
 
-            config = resolve_auto(load_config(args.conf, args.set))
+            # The job's typed configuration (validated, defaults applied); `auto` endpoints must be running services.
+            config = resolve_auto(load_job_config(args.conf, args.set)).to_dict()
         status = collect_status(rest, find_job(rest, args.job), config)
-    except (FlinkRestError, ServiceError, OSError) as exc:
+    except (FlinkRestError, ServiceError, OSError, ValueError) as exc:  # ValueError: beamflow.config.ConfigError
         print(f"beamflow status: {exc}", file=sys.stderr)
         return 1
     if args.json:

@@ -23,12 +23,12 @@ from psycopg import sql
 
 import pipelines.clicks as clicks
 from beamflow.config import load_config, resolve_auto
-from beamflow.demo import audit_job, continuing, expected_sessions, stored_sessions
 from beamflow.generate import TrafficSpec, avro_click_encoder, generate_traffic, produce_traffic
 from beamflow.kafka.admin import create_topic, end_offsets
 from beamflow.kafka.client import open_consumer
 from beamflow.kafka.record import TopicPartition
 from beamflow.services import ServiceSet, ServiceState
+from pipelines.clicks_demo import audit_job, continuing, expected_sessions, stored_sessions
 
 pytestmark = pytest.mark.services
 
@@ -100,9 +100,8 @@ def test_a_kill_between_the_sinks_and_the_commit_reruns_exactly(
     kafka: ServiceState, postgres: ServiceState, registry: ServiceState, service_set: ServiceSet, tmp_path: Path
 ) -> None:
     run = uuid.uuid4().hex[:6]
-    base = resolve_auto(load_config(CONF), service_set)
-    config = resolve_auto(load_config(CONF, _overrides(run, "", base)), service_set)
-    config.pop("flink", None)
+    base = resolve_auto(load_config(CONF, ["flink=null"]), service_set)  # the local runner's job: no Flink
+    config = resolve_auto(load_config(CONF, [*_overrides(run, "", base), "flink=null"]), service_set)
     bootstrap, topic, dsn = config["kafka"]["bootstrap"], config["kafka"]["topic"], config["postgres"]["dsn"]
     create_topic(bootstrap, topic, 4)
     encoder = avro_click_encoder(config["registry"]["url"], config["registry"]["subject"])
@@ -148,7 +147,6 @@ def test_a_kill_between_the_sinks_and_the_commit_reruns_exactly(
     assert audit["iceberg_rows"] == audit["iceberg_distinct_ids"] == 3000
 
     # And row for row (offsets included) what one run over everything writes to fresh tables.
-    once = resolve_auto(load_config(CONF, _overrides(run, "_once", base)), service_set)
-    once.pop("flink", None)
+    once = resolve_auto(load_config(CONF, [*_overrides(run, "_once", base), "flink=null"]), service_set)
     clicks.run_with_config(once)
     assert _sessions(dsn, f"sessions_{run}") == _sessions(dsn, f"sessions_{run}_once")

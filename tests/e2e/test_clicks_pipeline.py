@@ -12,12 +12,12 @@ from psycopg import sql
 
 import pipelines.clicks as clicks
 from beamflow.config import load_config, resolve_auto
-from beamflow.demo import run_demo
 from beamflow.generate import TrafficSpec
 from beamflow.kafka.admin import end_offsets
 from beamflow.kafka.client import open_consumer
 from beamflow.kafka.record import TopicPartition
 from beamflow.services import ServiceSet, ServiceState
+from pipelines.clicks_demo import run_demo
 
 pytestmark = pytest.mark.services
 
@@ -73,8 +73,9 @@ def test_every_record_is_accounted_for_exactly_once(
         f"postgres.dead_letters_table=dead_{run}_once",
         f"postgres.quarantine_table=quarantine_{run}_once",
     )
-    config = resolve_auto(load_config(CONF, fresh), service_set)
-    config.pop("flink", None)
+    config = load_config(CONF, fresh)
+    config.pop("flink", None)  # the local runner's job: no Flink endpoint to resolve
+    config = resolve_auto(config, service_set)
     clicks.run_with_config(config)
     assert _sessions(postgres.info["dsn"], f"sessions_{run}") == _sessions(postgres.info["dsn"], f"sessions_{run}_once")
 

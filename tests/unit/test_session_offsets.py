@@ -75,6 +75,6 @@ def test_session_input_carries_the_kafka_coordinates() -> None:
 
 def test_the_local_runner_refuses_a_streaming_read() -> None:
     with pytest.raises(SystemExit, match=r"FlinkRunner.*Prism") as refused:
-        pipeline_options("DirectRunner", [], {"kafka": {"bounded": False}})
+        pipeline_options("DirectRunner", [], {"kafka": {"topic": "clicks", "group_id": "g", "bounded": False}})
     assert "\n" not in str(refused.value)
-    assert pipeline_options("DirectRunner", [], {"kafka": {"bounded": True}}) is not None
+    assert pipeline_options("DirectRunner", [], {"kafka": {"topic": "clicks", "group_id": "g", "bounded": True}})

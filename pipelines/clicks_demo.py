@@ -1,4 +1,6 @@
-"""The demo a new user runs first: services up, traffic generated, the clicks job run, and an audit of the result.
+"""The clicks job's demo, what a new user runs first (``beamflow demo``, ``./run demo``): services up, traffic
+generated, the clicks job run, and an audit of the result. It lives with the job: the ``beamflow`` engines know it
+only by name (``beamflow.cli.demo.DEMOS``).
 
 The summary checks the job's contract, not just that it ran: every produced record is either a distinct row in
 Iceberg, a dead letter, or a quarantined duplicate, and neither sink holds a duplicate event id. The traffic comes in
@@ -12,13 +14,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime as dt
+import os
+import shutil
+import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from beamflow.config import load_config, resolve_auto
+from beamflow.config import JobConfig, as_job_config, load_job_config, required, resolve_auto
 from beamflow.generate import GeneratedTraffic, TrafficSpec, avro_click_encoder, generate_traffic, produce_traffic
 from beamflow.services import ServiceSet
 
@@ -27,6 +33,7 @@ __all__ = [
     "audit_job",
     "continuing",
     "expected_sessions",
+    "main",
     "reset_job_state",
     "run_demo",
     "stored_sessions",
@@ -51,6 +58,10 @@ class DemoSummary:
     session_events: int = 0
     expected_sessions: int = 0
     sessions_match: bool = True
+    # What the demo leaves behind: services still running (name -> address), their data, the command that stops them.
+    left_running: dict[str, str] = field(default_factory=dict)
+    data_dir: str = ""
+    stop_command: str = ""
 
     @property
     def balanced(self) -> bool:
@@ -97,8 +108,28 @@ class DemoSummary:
         rule = "-" * (width + 14)
         return "\n".join([rule, *lines, rule])
 
+    def left_behind(self) -> str:
+        """What is still running after the demo, where the data is, and the one command that stops it."""
+        running = ", ".join(f"{name} ({where})" for name, where in self.left_running.items()) or "nothing"
+        return "\n".join(
+            [
+                f"still running: {running}",
+                f"data (topic, tables, Iceberg warehouse, service logs): {self.data_dir}",
+                f"stop them with: {self.stop_command}",
+            ]
+        )
 
-def reset_job_state(config: dict[str, Any]) -> None:
+
+def _stop_command(services: ServiceSet, names: list[str]) -> str:
+    """The command that stops ``names`` under ``services.data``, as this user can type it here."""
+    exe = Path(sys.prefix) / "bin" / "beamflow"
+    on_path = shutil.which("beamflow")
+    command = "beamflow" if on_path and Path(on_path).resolve() == exe.resolve() else os.path.relpath(exe)
+    data = f"BEAMFLOW_DATA={services.data} " if os.environ.get("BEAMFLOW_DATA") else ""
+    return f"{data}{command} services down {' '.join(names)}"
+
+
+def reset_job_state(config: JobConfig | Mapping[str, Any]) -> None:
     """Drops the demo's topic, tables and Iceberg table so a rerun starts from nothing and its summary is exact."""
     import psycopg
     from confluent_kafka.admin import AdminClient
@@ -106,8 +137,10 @@ def reset_job_state(config: dict[str, Any]) -> None:
 
     from beamflow.iceberg.catalog import CatalogConfig, open_catalog
 
-    admin = AdminClient({"bootstrap.servers": config["kafka"]["bootstrap"]})
-    topic = config["kafka"]["topic"]
+    job = as_job_config(config)
+    kafka, pg, ice = required(job.kafka, "kafka"), required(job.postgres, "postgres"), required(job.iceberg, "iceberg")
+    admin = AdminClient({"bootstrap.servers": kafka.bootstrap})
+    topic = kafka.topic
     if topic in admin.list_topics(timeout=10).topics:
         for future in admin.delete_topics([topic]).values():
             future.result(30)
@@ -115,21 +148,15 @@ def reset_job_state(config: dict[str, Any]) -> None:
         deadline = time.monotonic() + 30
         while topic in admin.list_topics(timeout=10).topics and time.monotonic() < deadline:
             time.sleep(0.5)
-    pg = config["postgres"]
-    with psycopg.connect(pg["dsn"], autocommit=True) as conn:
-        from pipelines.clicks import first_copies_table
-
-        for name in [pg[k] for k in ("sessions_table", "dead_letters_table", "quarantine_table")] + [
-            first_copies_table(pg)
-        ]:
+    with psycopg.connect(pg.dsn, autocommit=True) as conn:
+        for name in (pg.sessions_table, pg.dead_letters_table, pg.quarantine_table, pg.first_copies):
             conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(name)))
-    ice = config["iceberg"]
-    catalog = open_catalog(CatalogConfig(warehouse=ice["catalog"]["warehouse"], uri=ice["catalog"].get("uri", "")))
+    catalog = open_catalog(CatalogConfig(warehouse=ice.catalog.warehouse, uri=ice.catalog.uri))
     with contextlib.suppress(Exception):
-        catalog.drop_table(ice["table"])
+        catalog.drop_table(ice.table)
 
 
-def audit_job(config: dict[str, Any]) -> dict[str, int]:
+def audit_job(config: JobConfig | Mapping[str, Any]) -> dict[str, int]:
     """Counts what the job's sinks hold: dead letters, quarantine, sessions, and the Iceberg audit."""
     import psycopg
     from psycopg import sql
@@ -137,31 +164,31 @@ def audit_job(config: dict[str, Any]) -> dict[str, int]:
     from beamflow.iceberg.audit import audit_table
     from beamflow.iceberg.catalog import CatalogConfig, open_catalog
 
-    pg = config["postgres"]
+    job = as_job_config(config)
+    pg, ice = required(job.postgres, "postgres"), required(job.iceberg, "iceberg")
     out: dict[str, int] = {}
-    with psycopg.connect(pg["dsn"]) as conn:
+    with psycopg.connect(pg.dsn) as conn:
 
         def count(query: sql.Composed) -> int:
             row = conn.execute(query).fetchone()
             return int(row[0]) if row else 0
 
-        for name, key in (
-            ("dead_letters", "dead_letters_table"),
-            ("quarantined", "quarantine_table"),
-            ("session_rows", "sessions_table"),
+        for name, table in (
+            ("dead_letters", pg.dead_letters_table),
+            ("quarantined", pg.quarantine_table),
+            ("session_rows", pg.sessions_table),
         ):
-            out[name] = count(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(pg[key])))
+            out[name] = count(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(table)))
         # The primary key rules out two rows for one session start; what could still be wrong is a user with two
         # overlapping sessions (a stale row left behind by a merge, or an event counted in two sessions).
         out["postgres_duplicate_ids"] = count(
             sql.SQL(
                 "SELECT count(*) FROM {t} a JOIN {t} b ON a.user_id = b.user_id "
                 "AND a.session_start < b.session_start AND b.session_start < a.session_end"
-            ).format(t=sql.Identifier(pg["sessions_table"]))
+            ).format(t=sql.Identifier(pg.sessions_table))
         )
-    ice = config["iceberg"]
-    catalog = open_catalog(CatalogConfig(warehouse=ice["catalog"]["warehouse"], uri=ice["catalog"].get("uri", "")))
-    report = audit_table(catalog.load_table(ice["table"]), id_column="event_id")
+    catalog = open_catalog(CatalogConfig(warehouse=ice.catalog.warehouse, uri=ice.catalog.uri))
+    report = audit_table(catalog.load_table(ice.table), id_column="event_id")
     out["iceberg_rows"] = report.rows
     out["iceberg_distinct_ids"] = report.distinct_ids or 0
     out["iceberg_duplicate_ids"] = report.duplicate_ids or 0
@@ -206,18 +233,18 @@ def expected_sessions(traffic: Iterable[GeneratedTraffic], gap_ms: int) -> list[
     return sorted(out)
 
 
-def stored_sessions(config: dict[str, Any]) -> list[SessionKey]:
+def stored_sessions(config: JobConfig | Mapping[str, Any]) -> list[SessionKey]:
     """The sessions table as (user, start, end, impressions, clicks, events), sorted."""
     import psycopg
     from psycopg import sql
 
-    pg = config["postgres"]
-    with psycopg.connect(pg["dsn"]) as conn:
+    pg = required(as_job_config(config).postgres, "postgres")
+    with psycopg.connect(pg.dsn) as conn:
         rows = conn.execute(
             sql.SQL(
                 "SELECT user_id, session_start, session_end, impressions, clicks, events FROM {} "
                 "ORDER BY user_id, session_start"
-            ).format(sql.Identifier(pg["sessions_table"]))
+            ).format(sql.Identifier(pg.sessions_table))
         ).fetchall()
     return sorted((r[0], r[1], r[2], int(r[3]), int(r[4]), int(r[5])) for r in rows)
 
@@ -241,23 +268,27 @@ def run_demo(
     from apache_beam.metrics.metric import MetricsFilter
 
     import pipelines.clicks as clicks
+    from beamflow.config import auto_services
     from beamflow.kafka.admin import create_topic
     from transforms.hot_key_aggregate import late_dropped
 
     services = services or ServiceSet()
-    progress("starting services: kafka, postgres, schema registry (first run downloads and builds them)")
-    for name in ("kafka", "postgres", "registry"):
+    # The local runner's job: its flink: section does not apply, so Flink is neither needed nor started.
+    config = clicks.for_runner(load_job_config(conf_path, overrides), "DirectRunner")
+    needed = auto_services(config)
+    progress(f"starting services: {', '.join(needed) or 'none'} (first run downloads and builds them)")
+    for name in needed:
         t0 = time.monotonic()
         services.get(name).up()
         progress(f"  {name} up ({time.monotonic() - t0:.1f}s)")
-    config = resolve_auto(load_config(conf_path, overrides), services)
-    config.pop("flink", None)
+    config = resolve_auto(config, services)
+    kafka, registry = required(config.kafka, "kafka"), required(config.registry, "registry")
     progress("resetting the demo's topic and tables")
     reset_job_state(config)
 
-    spec = spec or TrafficSpec(partitions=int(config["kafka"].get("partitions", 4)))
-    create_topic(config["kafka"]["bootstrap"], config["kafka"]["topic"], spec.partitions)
-    encoder = avro_click_encoder(config["registry"]["url"], config["registry"]["subject"])
+    spec = spec or TrafficSpec(partitions=kafka.partitions or 4)
+    create_topic(kafka.bootstrap, kafka.topic, spec.partitions)
+    encoder = avro_click_encoder(registry.url, registry.subject or f"{kafka.topic}-value")
     per_run = max(1, spec.events // runs)
     # The whole stream ends about now: the first batch starts early enough for every batch to fit before it.
     batch_spec = dataclasses.replace(
@@ -280,7 +311,7 @@ def run_demo(
             "stretch, schema v2" + (" (event time continuing the last batch's)" if run else "")
         )
         traffic = generate_traffic(batch_spec, encoder)
-        produce_traffic(config["kafka"]["bootstrap"], config["kafka"]["topic"], traffic)
+        produce_traffic(kafka.bootstrap, kafka.topic, traffic)
         batches.append(traffic)
         progress(f"  produced {len(traffic.records):,} records: {traffic.summary()}")
         progress(f"  running pipelines.clicks on the pinned local runner (FnApiRunner), run {run + 1}/{runs}")
@@ -293,7 +324,7 @@ def run_demo(
         progress(f"  job finished in {time.monotonic() - t0:.1f}s")
     progress("auditing the sinks")
     counts = audit_job(config)
-    expected = expected_sessions(batches, int(config["sessions"].get("gap_s", 600)) * 1000)
+    expected = expected_sessions(batches, config.sessions.gap_s * 1000)
     stored = stored_sessions(config)
     produced_counts: Counter[str] = Counter()
     for traffic in batches:
@@ -308,5 +339,27 @@ def run_demo(
         session_events=sum(s[5] for s in stored),
         expected_sessions=len(expected),
         sessions_match=stored == expected,
+        left_running={name: _address(services, name) for name in needed},
+        data_dir=str(services.data),
+        stop_command=_stop_command(services, needed),
         **counts,
     )
+
+
+def _address(services: ServiceSet, name: str) -> str:
+    state = services.get(name).state()
+    info = state.info if state else {}
+    return str(info.get("bootstrap") or info.get("url") or info.get("dsn") or (state.ports if state else ""))
+
+
+def main(conf: str, overrides: tuple[str, ...], events: int) -> int:
+    """``beamflow demo``: runs the demo, prints the audited summary and what it leaves running; 0 when it holds."""
+    summary = run_demo(conf, overrides, TrafficSpec(events=events))
+    print(summary.table())
+    print(
+        "demo: OK, every record accounted for exactly once, sessions exact across runs"
+        if summary.ok
+        else "demo: FAILED, see the table above"
+    )
+    print(summary.left_behind())
+    return 0 if summary.ok else 1

@@ -1,0 +1,68 @@
+"""Each of doctor's static rules on its own: the settings that make it speak, and the same config without them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from beamflow.config import JobConfig, load_job_config
+from beamflow.doctor import RULES, Job, rule_code
+
+pytestmark = pytest.mark.unit
+
+CONF = Path(__file__).resolve().parents[2] / "conf" / "clicks.yaml"
+NO_FLINK = ["flink=null"]
+BATCH = "flink.streaming=false"  # the backlog-stall rules apply to Flink streams only
+
+# rule code -> (overrides that make it speak, overrides of the same config that keep it quiet, severity)
+CASES: dict[str, tuple[list[str], list[str], str]] = {
+    "no-flink-section": (NO_FLINK, [], "info"),
+    "parallelism-above-partitions": (["flink.parallelism=8"], ["flink.parallelism=4"], "warning"),
+    "checkpointing-off": (["flink.checkpointing_interval_ms=null"], [], "error"),
+    "checkpoint-timeout-far-above-interval": (["flink.checkpoint_timeout_ms=1800000"], [], "warning"),
+    "no-min-pause": (["flink.min_pause_between_checkpoints_ms=null"], [], "warning"),
+    "min-pause-below-commit-round": (["flink.min_pause_between_checkpoints_ms=500"], [], "warning"),
+    "non-incremental-state": (["flink.incremental=false"], [], "warning"),
+    "heap-state-for-sessions": (["flink.state_backend=hashmap"], [], "info"),
+    "aligned-checkpoints-under-backpressure": (["flink.unaligned_checkpoints=null"], [], "info"),
+    "offsets-ahead-of-sinks": (["flink.finish_bundle_before_checkpointing=false"], [], "error"),
+    "bundle-swallows-backlog": (["flink.max_bundle_size=100000"], ["flink.max_bundle_size=100000", BATCH], "error"),
+    "read-call-swallows-backlog": (["kafka.max_bundle_records=20000"], [], "warning"),
+    "read-polls-too-rarely": (["flink.max_bundle_time_ms=10000"], [], "warning"),
+    "loopback-workers": (["flink.environment=LOOPBACK"], [], "warning"),
+    "per-event-state-round-trips": (["dedup.strategy=state"], ["dedup.strategy=state", BATCH], "warning"),
+    "no-tolerated-checkpoint-failures": (
+        ["flink.tolerable_failed_checkpoints=null"],
+        ["flink.tolerable_failed_checkpoints=null", "flink.fail_on_checkpointing_errors=false"],
+        "warning",
+    ),
+    "iceberg-commit-per-bundle": ([], ["flink.max_bundle_time_ms=10000"], "info"),
+    "kafka-auto-commit": (
+        ["kafka.consumer_config={enable.auto.commit: 'true'}"],
+        ["kafka.consumer_config={fetch.min.bytes: 1}"],
+        "error",
+    ),
+    "idleness-off": (["kafka.idle_timeout_ms=null"], [], "warning"),
+    "no-stable-sink-id": (["iceberg.sink_id=null"], [], "error"),
+    "unstable-sink-id": (["iceberg.sink_id=clicks-run-20261129"], [], "error"),
+}
+
+
+def _job(overrides: list[str]) -> Job:
+    config: JobConfig = load_job_config(CONF, overrides)
+    return Job(config, config.kafka.partitions if config.kafka else None)
+
+
+def test_every_rule_has_a_case_and_is_named_after_its_code() -> None:
+    assert [rule_code(r) for r in RULES] == list(CASES)  # report order is the list's order
+
+
+@pytest.mark.parametrize("rule", RULES, ids=rule_code)
+def test_rule(rule: Any) -> None:
+    speak, quiet, severity = CASES[rule_code(rule)]
+    finding = rule(_job(speak))
+    assert finding is not None and finding.code == rule_code(rule) and finding.severity == severity
+    assert finding.why and finding.fix
+    assert rule(_job(quiet)) is None
