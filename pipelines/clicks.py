@@ -258,7 +258,7 @@ def build_pipeline(p: beam.Pipeline, config: JobConfig | Mapping[str, Any]) -> C
     )
     dead_letters = (
         decoded.dead_letters,
-        iceberg.dead_letter,
+        iceberg.dead_letters,
         quarantine_written.dead_letters,
     ) | "AllDeadLetters" >> beam.Flatten()
     dlq_conf = job.dead_letters
@@ -272,7 +272,7 @@ def build_pipeline(p: beam.Pipeline, config: JobConfig | Mapping[str, Any]) -> C
         records | "CommitOffsetsAfterSinks" >> CommitOffsetsAfter(
             kafka.bootstrap,
             kafka.group_id,
-            after=[iceberg.commits, sessions_written, dead_letters_written],
+            after=[iceberg, sessions_written, dead_letters_written],
             backend=kafka.backend,
         )
     return ClicksJob(records, dedup.unique, dead_letters, dedup.quarantine, sessions)

@@ -27,6 +27,7 @@ from beamflow.kafka.commits import ForwardOnlyCommitter
 from beamflow.kafka.record import KafkaRecord, TopicPartition
 from transforms._global_window import in_global_window
 from transforms._run_mode import is_streaming
+from transforms.sink_base import SinkResult
 
 __all__ = ["CommitOffsetsAfter"]
 
@@ -108,28 +109,35 @@ class CommitOffsetsAfter(beam.PTransform):
     reads: the commit step reads each of ``after`` as a side input, so it runs only when those are complete. All
     partitions are committed in one request (``ForwardOnlyCommitter.commit_all``): a run is committed whole or not at
     all. Pass
-    the outputs of the last step of every sink (their dead-letter or commit outputs; an empty PCollection still
-    counts as complete). Commits only forward. Read with ``ReadFromKafka(..., commit_offsets=False)`` so the read's
+    every sink's ``SinkResult`` (or the outputs of the last step of every sink; an empty PCollection still counts as
+    complete). Commits only forward. Read with ``ReadFromKafka(..., commit_offsets=False)`` so the read's
     own finalizers do not commit earlier.
 
     Example::
 
         records = p | ReadFromKafka(bootstrap, ["clicks"], "clicks-backfill", commit_offsets=False,
                                     stop=StopPolicy(at_end_offsets=True))
-        written = records | ... | WriteToIceberg(...)
-        records | CommitOffsetsAfter(bootstrap, "clicks-backfill", after=[written.commits, written.dead_letter])
+        iceberg = records | ... | WriteToIceberg(...)
+        records | CommitOffsetsAfter(bootstrap, "clicks-backfill", after=[iceberg])
 
     Needs: bounded input in a batch pipeline (on unbounded input a global side input never completes, and a
     streaming Flink job cannot checkpoint the side-input steps; streaming reads commit on finalization instead).
     """
 
-    def __init__(self, bootstrap: str, group_id: str, after: Sequence[beam.PCollection], backend: str = "confluent"):
+    def __init__(
+        self,
+        bootstrap: str,
+        group_id: str,
+        after: Sequence[beam.PCollection | SinkResult],
+        backend: str = "confluent",
+    ):
         super().__init__()
         if not after:
             raise ValueError("CommitOffsetsAfter needs the sinks' outputs to wait for (after=[...])")
         self._bootstrap = bootstrap
         self._group_id = group_id
-        self._after = list(after)
+        # A SinkResult waits for both of its outputs.
+        self._after = [pc for out in after for pc in (out if isinstance(out, SinkResult) else (out,))]
         self._backend = backend
 
     def expand(self, records: beam.PCollection) -> beam.PCollection:

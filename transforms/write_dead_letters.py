@@ -11,6 +11,7 @@ from apache_beam.metrics import Metrics
 
 from beamflow.deadletter import DeadLetter
 from beamflow.postgres.table import TableSpec
+from transforms.sink_base import Declared, Guarantee, SinkFn, SinkResult, write_with
 from transforms.write_to_postgres import WriteToPostgres
 
 __all__ = [
@@ -89,20 +90,29 @@ def _refuse_lost(dead: DeadLetter) -> None:
     raise RuntimeError(f"the dead-letter table rejected a dead letter ({dead.reason}); refusing to lose it")
 
 
-class _ProduceFn(beam.DoFn):
-    """Produces each dead letter; ``finish_bundle`` waits until every one is acked, so a bundle (and the Kafka
-    offsets it covers) never finalizes before its dead letters are durable."""
+# The PostgreSQL variant writes through WriteToPostgres (_UpsertFn), keyed by dead_letter_id.
+_TABLE_GUARANTEE = Declared(Guarantee.IDEMPOTENT, "the dead-letter id: stage + Kafka coordinates (or payload digest)")
+
+
+class _ProduceFn(SinkFn):
+    """Produces each dead letter; ``flush`` (``finish_bundle``) waits until every one is acked, so a bundle (and the
+    Kafka offsets it covers) never finalizes before its dead letters are durable."""
+
+    GUARANTEE = Declared(Guarantee.AT_LEAST_ONCE, "readers dedupe on stage + topic/partition/offset")
+    STAGE = "write_dead_letters"
 
     def __init__(self, bootstrap: str, topic: str, producer_config: dict[str, Any], flush_timeout_s: float) -> None:
+        super().__init__()
         self._bootstrap = bootstrap
         self._topic = topic
         self._config = producer_config
         self._flush_timeout_s = flush_timeout_s
         self._producer: Any = None
         self._errors: list[str] = []
+        self._acked_in_bundle = 0
         self._acked = Metrics.counter(METRICS_NAMESPACE, "kafka_acked")
 
-    def setup(self) -> None:
+    def open(self) -> None:
         from confluent_kafka import Producer
 
         self._producer = Producer(
@@ -120,12 +130,10 @@ class _ProduceFn(beam.DoFn):
         if err is not None:
             self._errors.append(str(err))
         else:
+            self._acked_in_bundle += 1
             self._acked.inc()
 
-    def start_bundle(self) -> None:
-        self._errors = []
-
-    def process(self, dead: DeadLetter) -> None:
+    def add(self, dead: DeadLetter) -> tuple[()]:
         producer = self._producer
         while True:
             try:
@@ -134,18 +142,21 @@ class _ProduceFn(beam.DoFn):
             except BufferError:  # local queue full: let deliveries drain
                 producer.poll(0.1)
         producer.poll(0)
+        return ()
 
-    def finish_bundle(self) -> None:
+    def flush(self) -> list[dict[str, Any]]:
         remaining = self._producer.flush(self._flush_timeout_s)
-        if remaining or self._errors:
-            errors, self._errors = self._errors, []
+        errors, self._errors = self._errors, []
+        acked, self._acked_in_bundle = self._acked_in_bundle, 0
+        if remaining or errors:
             # Failing the bundle makes the runner retry it (and its input is not committed): at-least-once.
             raise RuntimeError(
                 f"dead-letter topic {self._topic}: {remaining} not acked after {self._flush_timeout_s:.0f}s, "
                 f"{len(errors)} failed: {errors[:3]}"
             )
+        return [{"topic": self._topic, "rows_written": acked}] if acked else []
 
-    def teardown(self) -> None:
+    def close(self) -> None:
         if self._producer is not None:
             self._producer.flush(self._flush_timeout_s)
 
@@ -155,7 +166,7 @@ class WriteDeadLetters(beam.PTransform):
 
     ::
 
-        dead = (decoded.dead_letters, iceberg.dead_letter, pg_dead) | beam.Flatten()
+        dead = (decoded.dead_letters, iceberg.dead_letters, postgres.dead_letters) | beam.Flatten()
         dead | WriteDeadLetters("postgres", dsn=dsn, table="dead_letters")       # or:
         dead | WriteDeadLetters("kafka", bootstrap=bootstrap, topic="clicks-dlq")
 
@@ -172,8 +183,12 @@ class WriteDeadLetters(beam.PTransform):
 
     Counts every dead letter in the ``beamflow.dead_letters`` metrics namespace (``dead_letters`` and
     ``stage:<stage>``). Needs: PostgreSQL (``dsn``) or a Kafka broker (``bootstrap``) with ``topic`` existing or
-    auto-created.
+    auto-created. Returns a ``SinkResult``: a report per written batch, complete once every dead letter is written
+    (for ``CommitOffsetsAfter``), and ``dead_letters``, always empty (a dead letter that cannot be written fails the
+    bundle instead).
     """
+
+    GUARANTEES = {"postgres": _TABLE_GUARANTEE, "kafka": _ProduceFn.GUARANTEE}
 
     def __init__(
         self,
@@ -202,21 +217,18 @@ class WriteDeadLetters(beam.PTransform):
         self.producer_config = dict(producer_config or {})
         self.flush_timeout_s = flush_timeout_s
 
-    def expand(self, dead_letters: beam.PCollection) -> beam.PCollection:
-        """Returns an empty PCollection that is complete once every dead letter is written (for
-        ``CommitOffsetsAfter``)."""
+    def expand(self, dead_letters: beam.PCollection) -> SinkResult:
         counted = dead_letters | "Count" >> beam.ParDo(_Count())
         if self.sink == "postgres":
             assert self.dsn is not None and self.spec is not None
-            lost = (
+            table = (
                 counted
                 | "ToRows" >> beam.Map(dead_letter_row)
                 | "Upsert" >> WriteToPostgres(self.dsn, self.spec, create=True)
-            ).dead_letters
-            written: beam.PCollection = lost | "FailOnLostDeadLetter" >> beam.Map(_refuse_lost)
-        else:
-            assert self.bootstrap is not None and self.topic is not None
-            written = counted | "Produce" >> beam.ParDo(
-                _ProduceFn(self.bootstrap, self.topic, self.producer_config, self.flush_timeout_s)
             )
-        return written
+            lost = table.dead_letters | "FailOnLostDeadLetter" >> beam.Map(_refuse_lost)
+            return SinkResult(written=table.written, dead_letters=lost)
+        assert self.bootstrap is not None and self.topic is not None
+        return write_with(
+            counted, _ProduceFn(self.bootstrap, self.topic, self.producer_config, self.flush_timeout_s), "Produce"
+        )

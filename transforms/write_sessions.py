@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import apache_beam as beam
 from apache_beam.metrics import Metrics
 
 from beamflow.postgres.sessions import SessionStore
+from beamflow.postgres.writer import open_pool
+from transforms.sink_base import Declared, Guarantee, SinkFn, SinkResult, write_with
 
 __all__ = ["DEFAULT_BATCH_ROWS", "METRICS_NAMESPACE", "WriteSessions"]
 
@@ -17,49 +19,55 @@ METRICS_NAMESPACE = "beamflow.sessions"
 DEFAULT_BATCH_ROWS = 500
 
 
-class _MergeSessionsFn(beam.DoFn):
+class _MergeSessionsFn(SinkFn):
     """Buffers rows per bundle; merges them into the table at ``batch_rows`` and always before the bundle ends
     (so before any checkpoint, and before a bounded run's offset commit, which waits for this step)."""
 
+    GUARANTEE = Declared(
+        Guarantee.EXACTLY_ONCE, "session rows whose counts are backed by Kafka offsets (partition, offset), one topic"
+    )
+    STAGE = "write_sessions"
+
     def __init__(self, dsn: str, table: str, batch_rows: int) -> None:
+        super().__init__()
         self._dsn = dsn
         self._table = table
         self._batch_rows = batch_rows
+        self._pool: Any = None
+        self._buffer: list[Mapping[str, Any]] = []
         self._inserted = Metrics.counter(METRICS_NAMESPACE, "rows_inserted")
         self._deleted = Metrics.counter(METRICS_NAMESPACE, "rows_replaced")
         self._replayed = Metrics.counter(METRICS_NAMESPACE, "events_already_stored")
 
-    def setup(self) -> None:
-        from beamflow.postgres.writer import open_pool
-
+    def open(self) -> None:
         self._pool = open_pool(self._dsn)
         self._store = SessionStore(self._pool.connection, self._table)
         self._store.ensure_table()
 
-    def teardown(self) -> None:
-        pool = getattr(self, "_pool", None)
-        if pool is not None:
-            pool.close()
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
 
-    def start_bundle(self) -> None:
-        self._buffer: list[Mapping[str, Any]] = []
-
-    def process(self, row: Mapping[str, Any]) -> Iterator[None]:
+    def add(self, row: Mapping[str, Any]) -> list[dict[str, Any]]:
         self._buffer.append(row)
-        if len(self._buffer) >= self._batch_rows:
-            self._flush()
-        yield from ()  # outputs nothing; a generator keeps Beam from warning about a missing iterator
+        return self.flush() if len(self._buffer) >= self._batch_rows else []
 
-    def finish_bundle(self) -> None:
-        self._flush()
-
-    def _flush(self) -> None:
+    def flush(self) -> list[dict[str, Any]]:
         rows, self._buffer = self._buffer, []
-        if rows:
-            stats = self._store.write(rows)
-            self._inserted.inc(stats.rows_inserted)
-            self._deleted.inc(stats.rows_deleted)
-            self._replayed.inc(stats.events_already_stored)
+        if not rows:
+            return []
+        stats = self._store.write(rows)
+        self._inserted.inc(stats.rows_inserted)
+        self._deleted.inc(stats.rows_deleted)
+        self._replayed.inc(stats.events_already_stored)
+        return [
+            {
+                "table": self._table,
+                "rows_written": stats.rows_inserted,
+                "rows_replaced": stats.rows_deleted,
+                "events_already_stored": stats.events_already_stored,
+            }
+        ]
 
 
 class WriteSessions(beam.PTransform):
@@ -78,9 +86,12 @@ class WriteSessions(beam.PTransform):
     not at all; rows are flushed before every bundle ends.
 
     Needs: rows whose counts are all backed by offsets (events carrying ``kafka_partition``/``kafka_offset`` into
-    ``SessionClicksFn``), from one topic. Returns an empty PCollection that is complete when every row is written
-    (for ``CommitOffsetsAfter(after=[...])``).
+    ``SessionClicksFn``), from one topic. Returns a ``SinkResult``: a report per merged batch (``rows_written``
+    inserted, ``rows_replaced``, ``events_already_stored``), complete when every row is written (for
+    ``CommitOffsetsAfter(after=[...])``), and ``dead_letters`` (none: a row the store refuses fails the bundle).
     """
+
+    GUARANTEES = {"": _MergeSessionsFn.GUARANTEE}
 
     def __init__(self, dsn: str, table: str, batch_rows: int = DEFAULT_BATCH_ROWS) -> None:
         super().__init__()
@@ -88,5 +99,5 @@ class WriteSessions(beam.PTransform):
             raise ValueError(f"batch_rows must be >= 1, got {batch_rows}")
         self._fn = _MergeSessionsFn(dsn, table, batch_rows)
 
-    def expand(self, rows: beam.PCollection) -> beam.PCollection:
-        return rows | "MergeIntoStore" >> beam.ParDo(self._fn)
+    def expand(self, rows: beam.PCollection) -> SinkResult:
+        return write_with(rows, self._fn, "MergeIntoStore")

@@ -5,12 +5,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict
-from typing import Any, NamedTuple
+from typing import Any
 
 import apache_beam as beam
 import pyarrow as pa
 from apache_beam import pvalue
-from apache_beam.utils.timestamp import Timestamp
 
 from beamflow.deadletter import DeadLetter, encode_payload
 from beamflow.iceberg.catalog import CatalogConfig, open_catalog
@@ -21,23 +20,15 @@ from beamflow.iceberg.committer import (
     SchemaEvolutionError,
     marks_property,
 )
-from transforms._global_window import in_global_window
+from transforms.sink_base import DEAD_LETTERS, WRITTEN, Declared, Guarantee, SinkFn, SinkResult
 
-__all__ = ["IcebergWriteResult", "WriteToIceberg"]
+__all__ = ["WriteToIceberg"]
 
 log = logging.getLogger(__name__)
 
-_DEAD = "dead_letter"
 # A batch failing with these is bad data (a type clash, a refused schema change), not a transient failure.
 _DATA_ERRORS = (SchemaEvolutionError, pa.ArrowInvalid, pa.ArrowTypeError)
 _STAGE = "WriteToIceberg"
-
-
-class IcebergWriteResult(NamedTuple):
-    """What ``WriteToIceberg`` returns: one dict per committed batch, and refused rows (``DeadLetter``)."""
-
-    commits: beam.PCollection
-    dead_letter: beam.PCollection
 
 
 def _coordinates_of(row: Mapping[str, Any], fields: CoordinateFields) -> tuple[Any, Any, Any]:
@@ -56,21 +47,27 @@ class _CheckRow(beam.DoFn):
 
     def process(self, row: Any) -> Iterator[Any]:
         if not isinstance(row, Mapping):
-            yield pvalue.TaggedOutput(_DEAD, _dead(row, f"expected a dict row, got {type(row).__name__}", "NotADict"))
+            yield pvalue.TaggedOutput(
+                DEAD_LETTERS, _dead(row, f"expected a dict row, got {type(row).__name__}", "NotADict")
+            )
             return
         topic, partition, offset = _coordinates_of(row, self.fields)
         has_all = topic is not None and partition is not None and offset is not None
         has_any = topic is not None or partition is not None or offset is not None
         if self.key_column is not None:
             if row.get(self.key_column) is None:
-                yield pvalue.TaggedOutput(_DEAD, _dead(row, f"no value in key column {self.key_column!r}", "NoKey"))
+                yield pvalue.TaggedOutput(
+                    DEAD_LETTERS, _dead(row, f"no value in key column {self.key_column!r}", "NoKey")
+                )
                 return
             if has_any and not has_all:
-                yield pvalue.TaggedOutput(_DEAD, _dead(row, "only some Kafka coordinates present", "PartialCoords"))
+                yield pvalue.TaggedOutput(
+                    DEAD_LETTERS, _dead(row, "only some Kafka coordinates present", "PartialCoords")
+                )
                 return
         elif not has_all:
             yield pvalue.TaggedOutput(
-                _DEAD,
+                DEAD_LETTERS,
                 _dead(
                     row,
                     "no Kafka coordinates (topic, partition, offset) and no key_column: a replay of this row"
@@ -80,7 +77,9 @@ class _CheckRow(beam.DoFn):
             )
             return
         if has_all and (not isinstance(partition, int) or not isinstance(offset, int) or offset < 0):
-            yield pvalue.TaggedOutput(_DEAD, _dead(row, "partition and offset must be non-negative ints", "BadCoords"))
+            yield pvalue.TaggedOutput(
+                DEAD_LETTERS, _dead(row, "partition and offset must be non-negative ints", "BadCoords")
+            )
             return
         yield row if type(row) is dict else dict(row)  # nothing downstream mutates it: no copy per row
 
@@ -103,8 +102,8 @@ def _dead(row: Any, reason: str, error: str) -> DeadLetter:
     )
 
 
-class _CommitBatches(beam.DoFn):
-    """Runs the committer for each staged batch of one table; its retries make a repeated bundle harmless."""
+class _Committing:
+    """The committer of one table and how a batch is committed (split around bad rows), for both commit paths."""
 
     def __init__(
         self,
@@ -119,6 +118,7 @@ class _CommitBatches(beam.DoFn):
         max_batch_rows: int,
         key_time_column: str | None = None,
     ) -> None:
+        super().__init__()
         self.catalog_config = catalog_config
         self.key_time_column = key_time_column
         self.max_batch_rows = max(1, max_batch_rows)
@@ -132,7 +132,7 @@ class _CommitBatches(beam.DoFn):
         self._committer: IcebergCommitter | None = None
         self._commits = 0
 
-    def setup(self) -> None:
+    def open(self) -> None:
         self._committer = IcebergCommitter(
             open_catalog(self.catalog_config),
             self.table,
@@ -142,20 +142,6 @@ class _CommitBatches(beam.DoFn):
             partition_by=self.partition_by,
             coordinates=self.fields,
         )
-
-    def process(self, keyed_batch: tuple[str, Iterable[dict[str, Any]]]) -> Iterator[Any]:
-        # A bounded input arrives as one grouped iterable: commit it in chunks of max_batch_rows so data files and
-        # commits stay the size of streaming batches (a streaming batch is already at most that size). The rows are
-        # put in (topic, partition, offset) order first, so each chunk covers a prefix of every partition's offsets
-        # and a later chunk never holds an offset at or below a mark an earlier chunk committed.
-        _, rows = keyed_batch
-        batch = list(rows)
-        if len(batch) <= self.max_batch_rows:
-            yield from self._commit_or_split(batch, split=False)
-            return
-        batch.sort(key=self._order)
-        for start in range(0, len(batch), self.max_batch_rows):
-            yield from self._commit_or_split(self._firsts_first(batch[start : start + self.max_batch_rows]), split=True)
 
     def _firsts_first(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The first row of each Kafka coordinate, then the repeats (each group still in offset order).
@@ -177,6 +163,8 @@ class _CommitBatches(beam.DoFn):
     def _commit_or_split(self, rows: list[dict[str, Any]], split: bool) -> Iterator[Any]:
         """Commits the batch; if its data is bad, commits halves in offset order until the bad rows stand alone.
 
+        Yields a report (a dict) per commit and a ``DeadLetter`` per refused row.
+
         Halves go in (topic, partition, offset) order so each commit covers a prefix of every partition's offsets:
         a later half never lifts a mark over rows an earlier half still has to write.
         """
@@ -185,7 +173,7 @@ class _CommitBatches(beam.DoFn):
             result = self._committer.commit(rows)
         except _DATA_ERRORS as exc:
             if len(rows) == 1:
-                yield pvalue.TaggedOutput(_DEAD, _dead(rows[0], str(exc), type(exc).__name__))
+                yield _dead(rows[0], str(exc), type(exc).__name__)
                 return
             if not split:
                 rows = sorted(rows, key=self._order)
@@ -209,7 +197,35 @@ class _CommitBatches(beam.DoFn):
         )
 
 
-class _CommitPerBundle(_CommitBatches):
+class _CommitBatches(_Committing, beam.DoFn):
+    """Bounded input without a key column: commits each grouped batch of one table in offset-ordered chunks; the
+    committer's retries make a repeated bundle harmless."""
+
+    def setup(self) -> None:
+        self.open()
+
+    def process(self, keyed_batch: tuple[str, Iterable[dict[str, Any]]]) -> Iterator[Any]:
+        # A bounded input arrives as one grouped iterable: commit it in chunks of max_batch_rows so data files and
+        # commits stay the size of streaming batches (a streaming batch is already at most that size). The rows are
+        # put in (topic, partition, offset) order first, so each chunk covers a prefix of every partition's offsets
+        # and a later chunk never holds an offset at or below a mark an earlier chunk committed.
+        _, rows = keyed_batch
+        batch = list(rows)
+        if len(batch) <= self.max_batch_rows:
+            yield from self._tagged(self._commit_or_split(batch, split=False))
+            return
+        batch.sort(key=self._order)
+        for start in range(0, len(batch), self.max_batch_rows):
+            chunk = self._firsts_first(batch[start : start + self.max_batch_rows])
+            yield from self._tagged(self._commit_or_split(chunk, split=True))
+
+    @staticmethod
+    def _tagged(outputs: Iterator[Any]) -> Iterator[Any]:
+        for out in outputs:
+            yield pvalue.TaggedOutput(DEAD_LETTERS, out) if isinstance(out, DeadLetter) else out
+
+
+class _CommitPerBundle(_Committing, SinkFn):
     """Unbounded input, and bounded input with a key column: stages a bundle's rows, commits them before it ends.
 
     Why per bundle: a runner finalizes a bundle (and ``ReadFromKafka`` commits its offsets) only after the bundle's
@@ -220,35 +236,23 @@ class _CommitPerBundle(_CommitBatches):
     ``max_batch_rows`` rows are staged.
     """
 
-    def start_bundle(self) -> None:
+    GUARANTEE = Declared(
+        Guarantee.EXACTLY_ONCE,
+        "rows carrying Kafka coordinates read in offset order (or a deterministic key_column), a stable sink_id",
+    )
+    STAGE = _STAGE
+
+    def open(self) -> None:
+        super().open()
         self._staged: list[dict[str, Any]] = []
-        self._latest_micros = 0  # int micros: Timestamp comparisons run in Python, per row
 
-    def process(  # type: ignore[override]
-        self, row: dict[str, Any], timestamp: Any = beam.DoFn.TimestampParam
-    ) -> Iterator[Any]:
+    def add(self, row: dict[str, Any]) -> Iterable[Any]:
         self._staged.append(row)
-        if timestamp.micros > self._latest_micros:
-            self._latest_micros = timestamp.micros
-        if len(self._staged) >= self.max_batch_rows:
-            yield from self._flush(lambda out: out)
+        return self.flush() if len(self._staged) >= self.max_batch_rows else ()
 
-    def finish_bundle(self) -> Iterator[Any]:
-        # Outputs of finish_bundle need an explicit window: the global one, at the newest staged row's time.
-        latest = Timestamp(micros=self._latest_micros)
-
-        def windowed(out: Any) -> Any:
-            if isinstance(out, pvalue.TaggedOutput):
-                return pvalue.TaggedOutput(out.tag, in_global_window(out.value, latest))
-            return in_global_window(out, latest)
-
-        yield from self._flush(windowed)
-
-    def _flush(self, wrap: Any) -> Iterator[Any]:
+    def flush(self) -> list[Any]:
         batch, self._staged = self._staged, []
-        if batch:
-            for out in self._commit_or_split(batch, split=False):
-                yield wrap(out)
+        return list(self._commit_or_split(batch, split=False)) if batch else []
 
 
 class WriteToIceberg(beam.PTransform):
@@ -266,7 +270,7 @@ class WriteToIceberg(beam.PTransform):
 
     Rows without coordinates (e.g. window aggregates) need ``key_column``: a deterministic row key
     deduplicated against the table at commit time (idempotent per key). Rows that satisfy neither go to
-    ``dead_letter`` with a reason. Give ``key_column`` (and ``key_time_column``, see ``IcebergCommitter``) also when
+    ``dead_letters`` with a reason. Give ``key_column`` (and ``key_time_column``, see ``IcebergCommitter``) also when
     a shuffle by another key sits between the source and this sink: offsets of one partition then arrive out of
     order, and the marks alone would drop a lower offset that arrives after a higher one was committed.
 
@@ -279,12 +283,13 @@ class WriteToIceberg(beam.PTransform):
     demo) with ``key_column`` is committed the same way (the keys, not the order of offsets, decide what is new);
     without ``key_column`` its rows are grouped once per table and committed at the end of the input in chunks of
     ``max_batch_rows``, in offset order, as the marks need.
-    New optional columns in the rows are added to the table before writing;
-    removals, renames, new required columns and type changes are refused: the batch is split (in offset order)
-    until the offending rows stand alone, they go to ``dead_letter`` and the rest is committed. Each element of
-    ``commits`` counts rows written, rows skipped as at/below the marks (replays) and duplicates. Every
-    ``expire_every`` commits, snapshots beyond ``expire_keep_last`` are expired (``None``: never; compaction is
-    a separate job, ``beamflow iceberg compact``). A restarted source may seek to
+
+    New optional columns in the rows are added to the table before writing; removals, renames, new required columns
+    and type changes are refused: the batch is split (in offset order) until the offending rows stand alone, they go
+    to ``dead_letters`` and the rest is committed. Returns a ``SinkResult``: each element of ``written`` reports one
+    commit (``rows_written``, rows skipped as at/below the marks for replays, duplicates); ``dead_letters`` holds
+    every refused row. Every ``expire_every`` commits, snapshots beyond ``expire_keep_last`` are expired (``None``:
+    never; compaction is a separate job, ``beamflow iceberg compact``). A restarted source may seek to
     ``IcebergCommitter(...).committed_marks()`` + 1 instead of trusting Kafka group offsets.
 
     Example::
@@ -299,6 +304,8 @@ class WriteToIceberg(beam.PTransform):
     Needs: a SQL catalog (SQLite for development, PostgreSQL in production) and a warehouse folder every
     worker can reach.
     """
+
+    GUARANTEES = {"": _CommitPerBundle.GUARANTEE}
 
     def __init__(
         self,
@@ -326,9 +333,9 @@ class WriteToIceberg(beam.PTransform):
         self.expire_keep_last = expire_keep_last
         self.expire_every = expire_every
 
-    def expand(self, rows: beam.PCollection) -> IcebergWriteResult:
+    def expand(self, rows: beam.PCollection) -> SinkResult:
         checked = rows | "CheckRows" >> beam.ParDo(_CheckRow(self.coordinates, self.key_column)).with_outputs(
-            _DEAD, main="rows"
+            DEAD_LETTERS, main="rows"
         )
         commit_args = (
             self.catalog_config,
@@ -353,11 +360,11 @@ class WriteToIceberg(beam.PTransform):
                     beam.typehints.KV[str, beam.typehints.Dict[str, beam.typehints.Any]]
                 )
                 | "StagePerTable" >> beam.GroupByKey()
-                | "Commit" >> beam.ParDo(_CommitBatches(*commit_args)).with_outputs(_DEAD, main="commits")
+                | "Commit" >> beam.ParDo(_CommitBatches(*commit_args)).with_outputs(DEAD_LETTERS, main=WRITTEN)
             )
         else:
             committed = checked.rows | "CommitPerBundle" >> beam.ParDo(_CommitPerBundle(*commit_args)).with_outputs(
-                _DEAD, main="commits"
+                DEAD_LETTERS, main=WRITTEN
             )
-        dead = (checked[_DEAD], committed[_DEAD]) | "AllDeadLetters" >> beam.Flatten()
-        return IcebergWriteResult(commits=committed.commits, dead_letter=dead)
+        dead = (checked[DEAD_LETTERS], committed[DEAD_LETTERS]) | "AllDeadLetters" >> beam.Flatten()
+        return SinkResult(written=committed[WRITTEN], dead_letters=dead)

@@ -3,26 +3,23 @@ PostgreSQL."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import apache_beam as beam
 from apache_beam.metrics import Metrics
-from apache_beam.pvalue import TaggedOutput
-from apache_beam.transforms.window import GlobalWindows
 
-from beamflow.deadletter import DeadLetter, encode_payload
 from beamflow.postgres.cells import BufferedMutator, Cell, PostgresCellStore, RowKeySalter
 from beamflow.postgres.retry import RetryPolicy
 from beamflow.postgres.writer import open_pool
+from transforms.sink_base import DEAD_LETTERS, Declared, Guarantee, SinkFn, SinkResult, write_with
 
 __all__ = ["DEAD_LETTERS", "WriteVersionedCells"]
 
-DEAD_LETTERS = "dead_letters"
-_STAGE = "write_versioned_cells"
 
+class _MutateFn(SinkFn):
+    GUARANTEE = Declared(Guarantee.IDEMPOTENT, "deterministic row keys and cell timestamps (the newest timestamp wins)")
+    STAGE = "write_versioned_cells"
 
-class _MutateFn(beam.DoFn):
     def __init__(
         self,
         dsn: str,
@@ -34,6 +31,7 @@ class _MutateFn(beam.DoFn):
         salt_buckets: int | None,
         retry: RetryPolicy | None,
     ) -> None:
+        super().__init__()
         self._dsn = dsn
         self._table = table
         self._schema = schema
@@ -42,51 +40,49 @@ class _MutateFn(beam.DoFn):
         self._max_seconds = max_seconds
         self._salt_buckets = salt_buckets
         self._retry = retry
+        self._pool: Any = None
         self._dead = Metrics.counter("beamflow.cells", "dead_letters")
 
-    def setup(self) -> None:
+    def open(self) -> None:
         self._pool = open_pool(self._dsn)
         self._store = PostgresCellStore(self._table, pool=self._pool, schema=self._schema, retry=self._retry)
         salter = RowKeySalter(self._salt_buckets) if self._salt_buckets else None
         self._mutator = BufferedMutator(self._store, self._max_cells, self._max_bytes, self._max_seconds, salter)
 
-    def process(self, cell: Any) -> Iterator[TaggedOutput]:
+    def add(self, cell: Any) -> list[Any]:
         if not isinstance(cell, Cell):
             self._dead.inc()
-            yield TaggedOutput(
-                DEAD_LETTERS,
-                DeadLetter(
-                    encode_payload(repr(cell)),
-                    _STAGE,
-                    f"expected a Cell, got {type(cell).__name__}",
-                    error="TypeError",
-                ),
-            )
-            return
-        for dead in self._mutator.mutate(cell):
-            self._dead.inc()
-            yield TaggedOutput(DEAD_LETTERS, dead)
+            return [self.dead_letter(cell, f"expected a Cell, got {type(cell).__name__}", error="TypeError")]
+        return self._report(self._mutator.mutate, cell)
 
-    def finish_bundle(self) -> Iterator[TaggedOutput]:
-        for dead in self._mutator.flush():
-            self._dead.inc()
-            yield TaggedOutput(DEAD_LETTERS, GlobalWindows.windowed_value(dead))
+    def flush(self) -> list[Any]:
+        return self._report(lambda _: self._mutator.flush(), None)
 
-    def teardown(self) -> None:
-        pool = getattr(self, "_pool", None)
-        if pool is not None:
-            pool.close()
+    def _report(self, call: Any, arg: Any) -> list[Any]:
+        """The call's dead letters, and a report of the cell versions it stored (replays store none)."""
+        stats = self._store.writer.stats
+        before = stats.rows_written
+        outputs: list[Any] = call(arg)
+        self._dead.inc(len(outputs))
+        if stats.rows_written > before:
+            outputs.append({"table": self._table, "rows_written": stats.rows_written - before})
+        return outputs
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
 
 
 class WriteVersionedCells(beam.PTransform):
-    """Writes ``Cell`` elements to a versioned cell table; returns the PCollection of ``DeadLetter``.
+    """Writes ``Cell`` elements to a versioned cell table; returns a ``SinkResult``: a report per written batch
+    (``{"table", "rows_written"}``, cell versions newly stored) and the ``DeadLetter`` of every refused element.
 
     ::
 
         cells = events | beam.Map(
             lambda e: Cell(e["user"].encode(), "profile:email", e["ts_ms"], e["email"].encode())
         )
-        dead_letters = cells | WriteVersionedCells(dsn, "user_cells", salt_buckets=16)
+        result = cells | WriteVersionedCells(dsn, "user_cells", salt_buckets=16)
         # read back: PostgresCellStore("user_cells", dsn=dsn).get(RowKeySalter(16).salt(b"u1"),
         # "profile:email")
 
@@ -98,6 +94,8 @@ class WriteVersionedCells(beam.PTransform):
 
     Needs: a reachable PostgreSQL (``dsn``); the table is created if missing.
     """
+
+    GUARANTEES = {"": _MutateFn.GUARANTEE}
 
     def __init__(
         self,
@@ -116,6 +114,5 @@ class WriteVersionedCells(beam.PTransform):
             RowKeySalter(salt_buckets)  # validates the bucket count now, not on a worker
         self._fn = _MutateFn(dsn, table, schema, max_cells, max_bytes, max_seconds, salt_buckets, retry)
 
-    def expand(self, cells: beam.PCollection) -> beam.PCollection:
-        outputs = cells | "Mutate" >> beam.ParDo(self._fn).with_outputs(DEAD_LETTERS)
-        return outputs[DEAD_LETTERS]
+    def expand(self, cells: beam.PCollection) -> SinkResult:
+        return write_with(cells, self._fn, "Mutate")

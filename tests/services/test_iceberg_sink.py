@@ -300,10 +300,10 @@ def test_beam_transform_replayed_twice_writes_each_row_once(sqlite_config: Catal
                     partition_by=[("event_time", "day")],
                 )
             )
-            written = result.commits | beam.Map(lambda c: c["rows_written"]) | beam.CombineGlobally(sum)
+            written = result.written | beam.Map(lambda c: c["rows_written"]) | beam.CombineGlobally(sum)
             assert_that(written, equal_to([150 if run == 0 else 0]), label="written")
             # The clash shows either while building the batch (ArrowInvalid) or against the table's type.
-            reasons = result.dead_letter | beam.Map(
+            reasons = result.dead_letters | beam.Map(
                 lambda d: (d.stage, "BadType" if d.error in ("ArrowInvalid", "SchemaEvolutionError") else d.error)
             )
             assert_that(

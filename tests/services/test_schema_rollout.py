@@ -175,7 +175,7 @@ def test_stream_switching_to_v2_evolves_both_sinks_and_loses_nothing(
             | "ToRawRows" >> beam.Map(raw_row)
             | WriteToPostgres(dsn, _raw_spec(pg_table, V2), source_of=raw_source, max_rows=128)
         ).dead_letters
-        (decoded.dead_letters, ice.dead_letter, pg_dead) | beam.Flatten() | beam.Map(_no_dead_letter)
+        (decoded.dead_letters, ice.dead_letters, pg_dead) | beam.Flatten() | beam.Map(_no_dead_letter)
 
     # PostgreSQL: every record, the new columns added, v1 rows NULL there, v2 rows carry them.
     assert _pg_columns(dsn, pg_table)[-2:] == ["device", "country"]

@@ -63,10 +63,12 @@ def test_write_versioned_cells_newest_wins(postgres: ServiceState) -> None:
     table = f"beam_cells_{uuid.uuid4().hex[:8]}"
     cells = [Cell(f"device-{d}".encode(), "m:temp", ts, str(ts).encode()) for d in range(20) for ts in (3, 1, 2)]
     elements: list[Any] = [*cells, "not a cell"]
-    for _ in range(2):  # a replay changes nothing
+    for run in range(2):  # a replay changes nothing
         with beam.Pipeline(options=local_options()) as pipeline:
-            dead = pipeline | beam.Create(elements) | WriteVersionedCells(dsn, table, salt_buckets=4, max_cells=9)
-            assert_that(dead | beam.Map(lambda d: d.error), equal_to(["TypeError"]))
+            result = pipeline | beam.Create(elements) | WriteVersionedCells(dsn, table, salt_buckets=4, max_cells=9)
+            assert_that(result.dead_letters | beam.Map(lambda d: d.error), equal_to(["TypeError"]))
+            stored = result.written | beam.Map(lambda report: report["rows_written"]) | beam.CombineGlobally(sum)
+            assert_that(stored, equal_to([len(cells) if run == 0 else 0]), label="versions stored")
     store = PostgresCellStore(table, dsn=dsn)
     try:
         salter = RowKeySalter(4)

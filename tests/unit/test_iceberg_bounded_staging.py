@@ -45,8 +45,8 @@ def test_bounded_input_commits_every_row_once_in_offset_ordered_chunks(tmp_path:
             p | beam.Create(rows) | WriteToIceberg("sink.bounded", config, sink_id="bounded-test", max_batch_rows=5)
         )
         # 23 rows in chunks of 5: five commits, and no wait for the hour-long interval on bounded input.
-        assert_that(result.commits | beam.Map(lambda c: c["rows_written"]), equal_to([5, 5, 5, 5, 3]))
-        assert_that(result.dead_letter, equal_to([]), label="no dead letters")
+        assert_that(result.written | beam.Map(lambda c: c["rows_written"]), equal_to([5, 5, 5, 5, 3]))
+        assert_that(result.dead_letters, equal_to([]), label="no dead letters")
 
     table = open_catalog(config).load_table("sink.bounded")
     report = audit_table(table, id_column="event_id")
@@ -77,8 +77,8 @@ def test_bounded_input_with_key_column_commits_per_bundle_each_key_once(tmp_path
                     max_batch_rows=5,
                 )
             )
-            written = result.commits | beam.Map(lambda c: c["rows_written"]) | beam.CombineGlobally(sum)
+            written = result.written | beam.Map(lambda c: c["rows_written"]) | beam.CombineGlobally(sum)
             assert_that(written, equal_to([23 if run == 0 else 0]), label=f"rows written in run {run}")
-            assert_that(result.dead_letter, equal_to([]), label=f"no dead letters in run {run}")
+            assert_that(result.dead_letters, equal_to([]), label=f"no dead letters in run {run}")
         report = audit_table(open_catalog(config).load_table("sink.keyed"), id_column="event_id")
         assert (report.rows, report.distinct_ids, report.duplicate_ids) == (23, 23, 0)
