@@ -31,7 +31,8 @@ from apache_beam.transforms.combiners import CountCombineFn
 from apache_beam.transforms.window import FixedWindows, GlobalWindows, Sessions, TimestampedValue, WindowFn
 
 from runners.direct import local_options
-from transforms.hot_key_aggregate import HotKeyAggregate, HotKeyDetection, _RouteByHotness
+from transforms.hot_key_aggregate import HotKeyAggregate, HotKeyDetection
+from transforms.hot_key_aggregate.fanout import _RouteByHotness
 
 CHUNK = 10_000
 _RESULTS: dict[str, list[Any]] = {}

@@ -58,7 +58,8 @@ from beamflow.flink_rest import FlinkRest
 from beamflow.services import ServiceSet, ServiceState
 from benchmarks.hot_key import CHUNK, _Generate, _shard_by_event_id, hot_users
 from runners.flink import options_for_service
-from transforms.hot_key_aggregate import HotKeyAggregate, HotKeyDetection, WindowedAggregate, _stable_hash
+from transforms.hot_key_aggregate import HotKeyAggregate, HotKeyDetection, WindowedAggregate
+from transforms.hot_key_aggregate.common import _stable_hash
 
 # Beam labels of the CombinePerKey steps inside HotKeyAggregate: the aggregation stage.
 AGGREGATION_LABELS = ("CombineCold", "CombineShards", "MergeShards")

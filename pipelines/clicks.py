@@ -235,15 +235,15 @@ def build_pipeline(p: beam.Pipeline, config: JobConfig | Mapping[str, Any]) -> C
         >> HotKeyAggregate(
             SessionClicksFn(),
             windowfn=Sessions(sessions_conf.gap_s),
-            # A bounded batch run lifts every key (partial sessions per bundle, merged per key); hot keys are for the
-            # windowed strategy, which the job no longer uses on a stream.
-            hot_keys=sessions_conf.hot_keys if bounded else (),
-            fanout=sessions_conf.fanout,
-            allowed_lateness=sessions_conf.allowed_lateness_s,
-            shard_by=lambda e: e["event_id"],
             # A stream writes each bundle's partial sessions and WriteSessions merges them with the stored ones:
-            # no window state or firing bursts in the way of checkpoints, and no event is too late to count.
+            # no window state or firing bursts in the way of checkpoints, and no event is too late to count. A
+            # bounded run takes auto: lifted in a batch run (every key pre-aggregated per bundle, merged per key;
+            # the windowed strategy's arguments unused), windowed with hot keys and lateness if the run streams.
             strategy="auto" if bounded else "bundle_partials",
+            hot_keys=sessions_conf.hot_keys if bounded else (),
+            fanout=sessions_conf.fanout if bounded else None,
+            allowed_lateness=sessions_conf.allowed_lateness_s if bounded else 0,
+            shard_by=(lambda e: e["event_id"]) if bounded else None,
         )
     )
     # Merged with the stored sessions they touch (superseded windows, earlier runs, replays) in one transaction.

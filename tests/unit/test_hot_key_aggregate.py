@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import uuid
+import warnings
 import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -28,16 +29,16 @@ from hypothesis import strategies as st
 from beamflow.aggregates import SessionClicks, SessionClicksFn
 from runners.direct import local_options
 from tests.collected import collect, collected
-from transforms import hot_key_aggregate
 from transforms.hot_key_aggregate import (
     MAX_BUFFERED_INPUTS,
     METRICS_NAMESPACE,
     HotKeyAggregate,
     HotKeyDetection,
     WindowedAggregate,
-    _FrequentKeysFn,
     late_dropped,
+    lifted,
 )
+from transforms.hot_key_aggregate.detection import _FrequentKeysFn
 
 pytestmark = pytest.mark.unit
 
@@ -78,7 +79,9 @@ def compare_with_combine_per_key(
     """Runs HotKeyAggregate and plain WindowInto + CombinePerKey over the same events; returns both, and counters."""
     pipeline = fn_api_pipeline()
     keyed = pipeline | beam.Create(events) | "Timestamp" >> beam.Map(_keyed)
-    rows = keyed | HotKeyAggregate(combine_fn, windowfn=windowfn, shard_by=_event_id, **hot_key_args)
+    if hot_key_args.get("strategy", "auto") in ("auto", "windowed"):
+        hot_key_args.setdefault("shard_by", _event_id)
+    rows = keyed | HotKeyAggregate(combine_fn, windowfn=windowfn, **hot_key_args)
     plain = (
         keyed
         | "PlainWindows" >> beam.WindowInto(windowfn)
@@ -151,10 +154,12 @@ def test_session_split_across_shards_is_one_session() -> None:
     shards = [0, 1, 0, 1, 0, 1]
     events = [click("hot", t, event_id=ids(s + 2 * i)) for i, (t, s) in enumerate(zip(times, shards, strict=True))]
     events.append(click("cold", 10))
-    got, want, _ = compare_with_combine_per_key(
-        events, Sessions(TEN_MINUTES), SessionClicksFn(), hot_keys={"hot"}, fanout=2
+    # strategy windowed: a bounded batch run would otherwise lift every key and never reach the two-stage path.
+    got, want, counters = compare_with_combine_per_key(
+        events, Sessions(TEN_MINUTES), SessionClicksFn(), hot_keys={"hot"}, fanout=2, strategy="windowed"
     )
     assert got == want
+    assert counters["hot_elements"] == len(times)  # every "hot" event took the shards
     hot_sessions = [(start, end, value.events) for key, start, end, value in got if key == "hot"]
     assert [(s.micros // 10**6, e.micros // 10**6, n) for s, e, n in hot_sessions] == [(0, 2100, 4), (2100, 3200, 2)]
 
@@ -165,10 +170,11 @@ def test_partial_session_longer_than_gap_does_not_over_merge() -> None:
     # exactly one gap after shard 0's last event, so it must stay a separate session.
     events = [click("hot", t, event_id=ids(2 * i)) for i, t in enumerate([0, 500, 1000])]
     events.append(click("hot", 1600, event_id=ids(1)))
-    got, want, _ = compare_with_combine_per_key(
-        events, Sessions(TEN_MINUTES), SessionClicksFn(), hot_keys={"hot"}, fanout=2
+    got, want, counters = compare_with_combine_per_key(
+        events, Sessions(TEN_MINUTES), SessionClicksFn(), hot_keys={"hot"}, fanout=2, strategy="windowed"
     )
     assert got == want
+    assert counters["hot_elements"] == len(events)
     assert [(r[1].micros // 10**6, r[2].micros // 10**6) for r in got] == [(0, 1600), (1600, 2200)]
 
 
@@ -221,23 +227,48 @@ PROPERTY = settings(
 def test_property_sessions_equal_combine_per_key(
     pairs: list[tuple[str, int]], hot: set[str], fanout: int, gap: int, lateness: int
 ) -> None:
+    """Strategy ``windowed`` (the two-stage fanout path; ``auto`` would lift a bounded batch run)."""
     events = [click(user, t, event_id=f"e{i}") for i, (user, t) in enumerate(pairs)]
     got, want, counters = compare_with_combine_per_key(
-        events, Sessions(gap), SessionClicksFn(), hot_keys=hot, fanout=fanout, allowed_lateness=lateness
+        events,
+        Sessions(gap),
+        SessionClicksFn(),
+        hot_keys=hot,
+        fanout=fanout,
+        allowed_lateness=lateness,
+        strategy="windowed",
     )
     assert got == want
     assert counters["aggregated_elements"] == len(events)
+    assert counters.get("hot_elements", 0) == sum(user in hot for user, _ in pairs)
+
+
+@settings(PROPERTY, max_examples=5)
+@given(pairs=stream, gap=st.sampled_from([60, 300, 600]))
+def test_property_lifted_sessions_equal_combine_per_key(pairs: list[tuple[str, int]], gap: int) -> None:
+    """Strategy ``lifted`` (what ``auto`` takes for bounded Sessions in a batch run), partials flushed every 3 inputs
+    so sessions arrive in pieces the merge must join."""
+    events = [click(user, t, event_id=f"e{i}") for i, (user, t) in enumerate(pairs)]
+    flush_every, lifted.MAX_BUFFERED_INPUTS = lifted.MAX_BUFFERED_INPUTS, 3
+    try:
+        got, want, counters = compare_with_combine_per_key(events, Sessions(gap), SessionClicksFn(), strategy="lifted")
+    finally:
+        lifted.MAX_BUFFERED_INPUTS = flush_every
+    assert got == want
+    assert counters["aggregated_elements"] == len(events) and "hot_elements" not in counters
 
 
 @settings(PROPERTY, max_examples=4)
 @given(pairs=stream, hot=st.sets(st.sampled_from(USERS)), fanout=st.integers(min_value=2, max_value=6))
 def test_property_fixed_windows_equal_combine_per_key(pairs: list[tuple[str, int]], hot: set[str], fanout: int) -> None:
+    """Fixed windows have one strategy, ``windowed`` (what ``auto`` takes for them)."""
     events = [click(user, t, event_id=f"e{i}") for i, (user, t) in enumerate(pairs)]
     # _SumFn mutates its accumulator in place: checks stage 1 hands over accumulators, not shared outputs.
-    got, want, _ = compare_with_combine_per_key(
+    got, want, counters = compare_with_combine_per_key(
         events, FixedWindows(TEN_MINUTES), _SumFn(), hot_keys=hot, fanout=fanout
     )
     assert got == want
+    assert counters.get("hot_elements", 0) == sum(user in hot for user, _ in pairs)
 
 
 def test_frequent_keys_finds_every_heavy_hitter() -> None:
@@ -264,6 +295,38 @@ def test_detection_on_unbounded_sessions_is_refused() -> None:
     stream_in = pipeline | test_stream.TestStream().add_elements([TimestampedValue(("a", 1), 0)])
     with pytest.raises(ValueError, match="bounded input"):
         stream_in | HotKeyAggregate(SessionClicksFn(), windowfn=Sessions(60), detect=True)
+
+
+def test_arguments_without_effect_on_the_chosen_strategy_warn() -> None:
+    for strategy in ("lifted", "bundle_partials"):
+        with pytest.warns(UserWarning, match=r"hot_keys, fanout, shard_by have no effect with strategy"):
+            HotKeyAggregate(
+                SessionClicksFn(),
+                windowfn=Sessions(60),
+                hot_keys={"u"},
+                fanout=4,
+                shard_by=_event_id,
+                strategy=strategy,
+            )
+        with pytest.warns(UserWarning, match=r"allowed_lateness have no effect"):
+            HotKeyAggregate(SessionClicksFn(), windowfn=Sessions(60), allowed_lateness=60, strategy=strategy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning where every argument acts, nor under auto (the run decides)
+        HotKeyAggregate(SessionClicksFn(), windowfn=Sessions(60), strategy="lifted")
+        HotKeyAggregate(SessionClicksFn(), windowfn=Sessions(60), hot_keys={"u"}, fanout=4, strategy="windowed")
+        HotKeyAggregate(SessionClicksFn(), windowfn=Sessions(60), hot_keys={"u"}, fanout=4)
+
+
+def test_auto_strategy_rule() -> None:
+    bounded = beam.Pipeline(options=local_options()) | beam.Create([("k", 1)])
+    streaming = beam.Pipeline(options=PipelineOptions(streaming=True)) | beam.Create([("k", 1)])
+    sessions, fixed = Sessions(60), FixedWindows(60)
+    assert HotKeyAggregate(SessionClicksFn(), windowfn=sessions).chosen_strategy(bounded) == "lifted"
+    assert HotKeyAggregate(SessionClicksFn(), windowfn=sessions).chosen_strategy(streaming) == "windowed"
+    assert HotKeyAggregate(SessionClicksFn(), windowfn=fixed).chosen_strategy(bounded) == "windowed"
+    assert HotKeyAggregate(SessionClicksFn(), windowfn=sessions, strategy="windowed").chosen_strategy(bounded) == (
+        "windowed"
+    )
 
 
 def test_bad_arguments_are_refused() -> None:
@@ -479,7 +542,7 @@ def test_bounded_sessions_lifted_path_equals_windowed_path(
     # ledger): the same rows, field for field (pane index, first/last, timing, supersedes) and timestamp, and every
     # input counted as aggregated. A small buffer makes the lifted path emit partials every few inputs (1: every
     # input alone), so the merge has to join sessions from many partials.
-    monkeypatch.setattr(hot_key_aggregate, "MAX_BUFFERED_INPUTS", max_buffered)
+    monkeypatch.setattr(lifted, "MAX_BUFFERED_INPUTS", max_buffered)
     events = skewed_clicks(n=1500, users=120, hot_users=2, hot_share=0.25, span=3 * 3600, seed=3)
     # Exactly one gap apart (separate sessions in Beam) and a chain of events that bridges partial sessions.
     events += [click("u0", t, event_id=f"edge{t}") for t in (20_000, 20_600, 21_100, 21_650)]
@@ -524,11 +587,11 @@ def test_property_bundle_partials_merged_by_the_sink_equal_combine_per_key(
     )
     got, want = collect(partials, "Partials"), collect(plain, "Plain")
     # Partials flushed every 3 inputs, as many small bundles would: sessions arrive in pieces the merge must join.
-    flush_every, hot_key_aggregate.MAX_BUFFERED_INPUTS = hot_key_aggregate.MAX_BUFFERED_INPUTS, 3
+    flush_every, lifted.MAX_BUFFERED_INPUTS = lifted.MAX_BUFFERED_INPUTS, 3
     try:
         pipeline.run().wait_until_finish()
     finally:
-        hot_key_aggregate.MAX_BUFFERED_INPUTS = flush_every
+        lifted.MAX_BUFFERED_INPUTS = flush_every
     rows: list[WindowedAggregate] = collected(got)
     assert rows and all(r.timing == "PARTIAL" and r.value == r.input_count for r in rows)
     merged: list[tuple[Any, ...]] = []
