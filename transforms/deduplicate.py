@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -365,10 +366,13 @@ class DeduplicateEvents(beam.PTransform):
         id_field: the mapping key that holds the event id (used when ``id_fn`` is not given).
         id_fn: a function event -> id, for events that are not mappings.
         ttl: how long (event time) after the first copy later copies are still recognised.
-        strategy: ``auto`` (the rule above), ``state``, ``grouped`` (refused unless the input is bounded in a batch
-            run) or ``store``.
-        table: the ``store`` strategy's PostgreSQL table.
-        position_fn: event -> (topic, partition, offset), for ``store``.
+        strategy: ``auto`` (the default), ``state``, ``grouped`` (refused unless the input is bounded in a batch
+            run with non-merging default windows) or ``store`` (needs ``table``). ``auto`` is ``store`` when a
+            ``table`` is given, else ``grouped`` for bounded input in a batch run with non-merging windows and the
+            default trigger, else ``state``; ``chosen_strategy(events)`` tells which.
+        table: the ``store`` strategy's PostgreSQL table (refused with ``state`` or ``grouped``).
+        position_fn: event -> (topic, partition, offset), for ``store`` only: given without a ``table`` it has no
+            effect, and the constructor warns (``UserWarning``).
     """
 
     def __init__(
@@ -388,6 +392,12 @@ class DeduplicateEvents(beam.PTransform):
             raise ValueError("strategy 'store' needs table=FirstCopyTable(dsn, table)")
         if table is not None and strategy not in ("auto", "store"):
             raise ValueError(f"table is used only by the store strategy, not {strategy!r}")
+        if table is None and position_fn is not kafka_position:
+            warnings.warn(
+                "DeduplicateEvents: position_fn has no effect without table= (it is used by the store strategy only)",
+                UserWarning,
+                stacklevel=2,
+            )
         self._strategy = "store" if table is not None else strategy
         self._table = table
         self._position_of = position_fn
@@ -401,6 +411,12 @@ class DeduplicateEvents(beam.PTransform):
             self._id_of = _FieldGetter(id_field)
             self._what = f"field {id_field!r}"
 
+    def chosen_strategy(self, events: beam.PCollection) -> str:
+        """The strategy this transform takes on ``events``: ``auto`` resolved by the rule in the docstring."""
+        if self._strategy != "auto":
+            return self._strategy
+        return "grouped" if _can_group(events) else "state"
+
     def expand(self, events: beam.PCollection) -> DeduplicateResult:
         if self._strategy == "store":
             assert self._table is not None
@@ -408,7 +424,7 @@ class DeduplicateEvents(beam.PTransform):
                 _FirstCopyFromStore(self._table, self._ttl, self._id_of, self._what, self._position_of)
             ).with_outputs(_QUARANTINE, main=_UNIQUE)
             return DeduplicateResult(first[_UNIQUE], first[_QUARANTINE])
-        grouped = _can_group(events) if self._strategy == "auto" else self._strategy == "grouped"
+        grouped = self.chosen_strategy(events) == "grouped"
         if grouped and not _can_group(events):
             raise ValueError("strategy 'grouped' needs bounded input in a batch run with non-merging default windows")
         keyed = events | "KeyById" >> beam.ParDo(_KeyById(self._id_of, self._what, with_time=grouped)).with_outputs(

@@ -13,7 +13,7 @@ import apache_beam as beam
 import pytest
 from apache_beam.metrics.metric import MetricsFilter
 from apache_beam.transforms import trigger
-from apache_beam.transforms.window import FixedWindows, GlobalWindows, TimestampedValue
+from apache_beam.transforms.window import FixedWindows, GlobalWindows, Sessions, TimestampedValue
 from apache_beam.utils.timestamp import Duration, Timestamp
 
 from runners.direct import local_options
@@ -58,6 +58,18 @@ def test_bounded_batch_takes_the_grouped_path_and_streaming_the_stateful_one() -
     *_, streaming_labels = run(events, streaming=True)
     assert "CopiesPerId" in batch_labels and "FirstCopyPerId" not in batch_labels
     assert "FirstCopyPerId" in streaming_labels and "CopiesPerId" not in streaming_labels
+
+
+def test_auto_strategy_rule_and_position_fn_without_table_warns() -> None:
+    batch = beam.Pipeline(options=local_options()) | beam.Create([{"event_id": "a"}])
+    streaming = beam.Pipeline(options=local_options(streaming=True)) | beam.Create([{"event_id": "a"}])
+    sessions = batch | beam.WindowInto(Sessions(60))
+    assert DeduplicateEvents().chosen_strategy(batch) == "grouped"
+    assert DeduplicateEvents().chosen_strategy(streaming) == "state"
+    assert DeduplicateEvents().chosen_strategy(sessions) == "state"  # merging windows: one group is not every copy
+    assert DeduplicateEvents(strategy="state").chosen_strategy(batch) == "state"
+    with pytest.warns(UserWarning, match="position_fn has no effect without table="):
+        DeduplicateEvents(position_fn=lambda event: ("t", 0, 0))
 
 
 def test_grouped_path_equals_stateful_path_on_replayed_sends() -> None:
