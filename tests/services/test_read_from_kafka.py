@@ -6,6 +6,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import apache_beam as beam
@@ -69,24 +70,33 @@ def test_bounded_read_emits_exactly_the_produced_set_and_commits_end_offsets(kaf
     assert _committed(bootstrap, group, topic, 4) == ends
 
 
-def test_failure_before_finalization_does_not_commit_and_rerun_completes(kafka: ServiceState) -> None:
+def test_failure_before_finalization_does_not_commit_and_rerun_completes(kafka: ServiceState, tmp_path: Path) -> None:
     bootstrap = kafka.info["bootstrap"]
     topic, group = _topic("fail"), _topic("group")
     create_topic(bootstrap, topic, 2)
     produce(bootstrap, topic, ((None, f"v{i}".encode(), {"partition": i % 2}) for i in range(2_000)))
     ends = end_offsets(bootstrap, topic)
+    handled_log = tmp_path / "handled"  # offsets the downstream step handled (a file: the DoFn is pickled)
 
     def explode(record: KafkaRecord) -> KafkaRecord:
-        if record.partition == 1 and record.offset == 0:
+        if record.partition == 1 and record.offset == 500:
             raise RuntimeError("downstream failure before finalization")
+        with handled_log.open("a") as out:
+            out.write(f"{record.partition}:{record.offset}\n")
         return record
 
+    # Small bundles: the bundles before the failing one finalize (and commit) first.
+    read = ReadFromKafka(bootstrap, [topic], group, stop=StopPolicy(at_end_offsets=True), max_bundle_records=100)
     with pytest.raises(Exception, match="downstream failure"):
-        _run(ReadFromKafka(bootstrap, [topic], group, stop=StopPolicy(at_end_offsets=True)), mid=explode)
+        _run(read, mid=explode)
     after_failure = _committed(bootstrap, group, topic, 2)
-    # The bundle holding partition 1's first record never finalized: its offset did not move.
-    assert after_failure[1] is None
-    assert after_failure[0] is None or after_failure[0] <= ends[0]
+    handled = {tuple(map(int, line.split(":"))) for line in handled_log.read_text().split()}
+    # Committed offsets follow processing: every offset below a committed one went through the downstream step, and
+    # partition 1 is never committed past the record whose bundle failed.
+    assert any(after_failure.values()), after_failure  # bundles before the failure did finalize
+    for partition, committed in after_failure.items():
+        assert {(partition, o) for o in range(committed or 0)} <= handled
+    assert (after_failure[1] or 0) <= 500
 
     # The rerun starts from whatever was committed and, together with what was committed, covers everything.
     start = {p: after_failure[p] or 0 for p in (0, 1)}
