@@ -23,14 +23,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     actions.add_parser("jobs", help="list jobs with their state and checkpoint counts")
 
     savepoint = actions.add_parser("savepoint", help="take a savepoint of a running job (and stop it with --stop)")
-    savepoint.add_argument("job_id")
+    savepoint.add_argument("job_id", nargs="?", help="default: the one running job")
     savepoint.add_argument("--stop", action="store_true", help="stop the job after the savepoint (stop-with-savepoint)")
     savepoint.add_argument("--drain", action="store_true", help="with --stop: flush windows (watermark to +inf) first")
     savepoint.add_argument("--dir", help="target folder (default: the cluster's state.savepoints.dir)")
     savepoint.add_argument("--timeout", type=float, default=300.0)
 
     cancel = actions.add_parser("cancel", help="cancel a job (its retained checkpoints stay restorable)")
-    cancel.add_argument("job_id")
+    cancel.add_argument("job_id", nargs="?", help="default: the one running job")
 
     restore = actions.add_parser(
         "restore",
@@ -80,15 +80,28 @@ def _run(args: argparse.Namespace) -> int:
                 f"checkpoints ok={checkpoints.get('completed', 0)} failed={checkpoints.get('failed', 0)}  {job.name}"
             )
     elif action == "savepoint":
+        args.job_id = args.job_id or _running_job(rest)
         if args.stop:
             path = rest.stop_with_savepoint(args.job_id, args.dir, drain=args.drain, timeout=args.timeout)
         else:
             path = rest.wait_for_savepoint(args.job_id, rest.trigger_savepoint(args.job_id, args.dir), args.timeout)
         print(path)
     elif action == "cancel":
+        args.job_id = args.job_id or _running_job(rest)
         rest.cancel(args.job_id)
         print(f"cancelling {args.job_id}")
     return 0
+
+
+def _running_job(rest: FlinkRest) -> str:
+    """The id of the one job that runs on the cluster (a command without a job id means it); else one clear line."""
+    from beamflow.flink_rest import TERMINAL_STATES
+
+    running = [job for job in rest.jobs() if job.state not in TERMINAL_STATES]
+    if len(running) != 1:
+        names = ", ".join(f"{job.job_id} ({job.name})" for job in running) or "none"
+        raise ServiceError(f"{len(running)} running jobs ({names}): name the job id")
+    return running[0].job_id
 
 
 def _restore(args: argparse.Namespace) -> int:
