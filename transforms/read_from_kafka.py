@@ -95,10 +95,6 @@ class StopPolicy:
     max_records_per_partition: int | None = None
     until_ms: int | None = None
 
-    @property
-    def bounded(self) -> bool:
-        return self.at_end_offsets or self.max_records_per_partition is not None or self.until_ms is not None
-
 
 @dataclass(frozen=True)
 class _ReaderConfig:
@@ -362,7 +358,7 @@ class _ReadPartitionFn(beam.DoFn, _PartitionRestrictions, _PartitionWatermarks):
                                     wm = event_ms - delay
                                 value, key = record.value, record.key
                                 size += (len(value) if value else 0) + (len(key) if key else 0)
-                                # The partitions come from the read's own Create + Reshuffle, so always in the global
+                                # The partitions come from the read's own Impulse + Reshuffle, so always in the global
                                 # window; a windowed value from micros saves a window assignment and a Timestamp.
                                 yield windowed_value(record, event_ms * 1000, GLOBAL_WINDOWS)
                             # Published only now, after every record it covers was emitted.

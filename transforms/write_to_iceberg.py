@@ -143,23 +143,6 @@ class _Committing:
             coordinates=self.fields,
         )
 
-    def _firsts_first(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """The first row of each Kafka coordinate, then the repeats (each group still in offset order).
-
-        The committer keeps the first row per coordinate in a batch, and its in-batch dedup
-        (``beamflow.iceberg.committer._dedupe_in_batch``, ``batch.take(pc.sort_indices(first))``) takes the right
-        rows only when those first rows are the leading ones; sorting puts a replayed copy right after its original,
-        which would otherwise write one twice and lose another.
-        """
-        seen: set[tuple[str, int, int]] = set()
-        firsts: list[dict[str, Any]] = []
-        repeats: list[dict[str, Any]] = []
-        for row in rows:
-            key = self._order(row)
-            (repeats if key in seen else firsts).append(row)
-            seen.add(key)
-        return firsts + repeats
-
     def _commit_or_split(self, rows: list[dict[str, Any]], split: bool) -> Iterator[Any]:
         """Commits the batch; if its data is bad, commits halves in offset order until the bad rows stand alone.
 
@@ -216,8 +199,8 @@ class _CommitBatches(_Committing, beam.DoFn):
             return
         batch.sort(key=self._order)
         for start in range(0, len(batch), self.max_batch_rows):
-            chunk = self._firsts_first(batch[start : start + self.max_batch_rows])
-            yield from self._tagged(self._commit_or_split(chunk, split=True))
+            # A replayed copy sorts right after its original; the committer keeps the first row per coordinate.
+            yield from self._tagged(self._commit_or_split(batch[start : start + self.max_batch_rows], split=True))
 
     @staticmethod
     def _tagged(outputs: Iterator[Any]) -> Iterator[Any]:

@@ -20,12 +20,13 @@ Every row carries its Kafka coordinates (topic, partition, offset). One committe
 Replaying any rows (a restarted job, a second committer, a rerun with other batch boundaries) is therefore
 harmless.
 
-Why the committer writes the Parquet files itself (one ``append`` per commit interval) instead of collecting
-files written by parallel writers: the mark filter drops individual rows, so a file written before the filter
-would have to be rewritten anyway; pyiceberg 0.8.1's ``add_files`` reads every manifest to reject repeats, and
-fast-appending foreign ``DataFile`` objects needs private helpers. Rows wait for the commit in the runner's
-state (checkpointed on Flink) and stay replayable from Kafka until then, which the marks make safe. Files a
-killed committer wrote but never committed are orphans: never referenced, never read.
+Why the committer writes the Parquet files itself (one ``append`` per batch it is given: ``WriteToIceberg`` hands
+it each bundle's rows in ``finish_bundle``) instead of collecting files written by parallel writers: the mark filter
+drops individual rows, so a file written before the filter would have to be rewritten anyway; pyiceberg 0.8.1's
+``add_files`` reads every manifest to reject repeats, and fast-appending foreign ``DataFile`` objects needs private
+helpers. Rows wait for the commit only in the sink's buffer for the current bundle, never in runner state, and stay
+replayable from Kafka until then (the read commits its offsets only after the bundle is finalized), which the marks
+make safe. Files a killed committer wrote but never committed are orphans: never referenced, never read.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The librdkafka backend (confluent-kafka): the fast one.
 
-Tuned from measurements on this kind of machine (../shared/research/kafka.md): with the default
+Tuned from measurements on this kind of machine (``benchmarks/kafka_read.py``): with the default
 ``fetch.queue.backoff.ms`` librdkafka pauses between fetches and tops out near 150k msg/s; with 0 and a short
 ``fetch.wait.max.ms`` the same consumer reads about 800k msg/s.
 """

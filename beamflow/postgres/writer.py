@@ -55,7 +55,7 @@ __all__ = ["DEFAULT_MAX_BYTES", "DEFAULT_MAX_ROWS", "PostgresUpsertWriter", "Wri
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_ROWS = 10_000  # below ~10k rows per transaction the commit overhead starts to show (see research notes)
+DEFAULT_MAX_ROWS = 10_000  # below ~10k rows per transaction the commit overhead shows (benchmarks/postgres_upsert.py)
 DEFAULT_MAX_BYTES = 16 * 1024 * 1024
 DEFAULT_MAX_SECONDS = 5.0
 
