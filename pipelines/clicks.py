@@ -12,8 +12,13 @@ through the registry (dead letters aside) -> AttachEventId from the event's iden
 session windows per user_id with hot-key aggregation into the PostgreSQL sessions store (``WriteSessions``: each row
 merged with the stored sessions it touches, in one transaction, each event counted once by its Kafka coordinates, so
 run boundaries, reruns after crashes, restores and late panes all leave the sessions one run over every event would).
-Every rejected input of every stage ends in the dead-letter table with its reason. A bounded run commits every
-partition's offsets in one request after all sinks (``CommitOffsetsAfter``): a run is committed whole or not at all.
+Every input a stage rejects ends in the dead-letter table with its reason (undecodable records, events missing an
+identifying field, rows a sink refuses); later copies of an event go to the quarantine table instead. No session event
+is rejected as too late: a stream writes partial sessions that ``WriteSessions`` merges whenever they come, and a
+bounded batch run has no late data. (Only ``HotKeyAggregate``'s windowed strategy drops events later than
+``sessions.allowed_lateness_s``; this job takes it only for a bounded read in a streaming run, and counts such events,
+``late_dropped``, without storing them.) A bounded run commits every partition's offsets in one request after all
+sinks (``CommitOffsetsAfter``): a run is committed whole or not at all.
 """
 
 from __future__ import annotations
@@ -199,12 +204,12 @@ def build_pipeline(p: beam.Pipeline, config: JobConfig | Mapping[str, Any]) -> C
         commit_offsets=not bounded,
     )
     decoded = records | "DecodeAvro" >> DecodeAvro(registry.url, reader_schema=load_click_schema(2))
-    events = (
+    identified = (
         decoded.decoded
         | "ToClickEvents" >> beam.Map(click_event)
         | "WithEventId" >> AttachEventId(fields=EVENT_ID_FIELDS)
     )
-    dedup = events | "Deduplicate" >> DeduplicateEvents(
+    dedup = identified.events | "Deduplicate" >> DeduplicateEvents(
         ttl=dedup_conf.ttl_s,
         table=_first_copy_table(job),
         strategy=dedup_conf.strategy,
@@ -258,6 +263,7 @@ def build_pipeline(p: beam.Pipeline, config: JobConfig | Mapping[str, Any]) -> C
     )
     dead_letters = (
         decoded.dead_letters,
+        identified.dead_letters,
         iceberg.dead_letters,
         quarantine_written.dead_letters,
     ) | "AllDeadLetters" >> beam.Flatten()

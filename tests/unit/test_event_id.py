@@ -55,4 +55,41 @@ def test_attach_event_id_transform() -> None:
     rows: list[dict[str, Any]] = [{"topic": "t", "partition": 0, "offset": i} for i in range(3)]
     expected = [{**r, "event_id": event_id_from_coordinates("t", 0, r["offset"])} for r in rows]
     with beam.Pipeline(options=local_options()) as p:
-        assert_that(p | beam.Create(rows) | AttachEventId(), equal_to(expected))
+        result = p | beam.Create(rows) | AttachEventId()
+        assert_that(result.events, equal_to(expected))
+        assert_that(result.dead_letters, equal_to([]), label="no dead letters")
+
+
+def test_attach_event_id_sends_an_event_missing_an_identifying_field_to_dead_letters() -> None:
+    fields = ["user_id", "ad_id"]
+    rows: list[Any] = [
+        {"user_id": "u1", "ad_id": "a1"},
+        {"user_id": "u2", "_kafka": {"topic": "clicks", "partition": 1, "offset": 7}},  # no ad_id
+        "not a mapping",
+    ]
+    with beam.Pipeline(options=local_options()) as p:
+        result = p | beam.Create(rows) | AttachEventId(fields=fields)
+        assert_that(result.events, equal_to([{**rows[0], "event_id": event_id_from_fields(rows[0], fields)}]))
+        dead = result.dead_letters | beam.Map(lambda d: (d.stage, d.error, d.topic, d.partition, d.offset, d.reason))
+        assert_that(
+            dead,
+            equal_to(
+                [
+                    ("attach_event_id", "MissingField", "clicks", 1, 7, "event id fields missing from record: ad_id"),
+                    (
+                        "attach_event_id",
+                        "MissingField",
+                        None,
+                        None,
+                        None,
+                        "event id fields missing from record: user_id, ad_id",
+                    ),
+                ]
+            ),
+            label="dead letters",
+        )
+    # Without fields: the Kafka coordinates; a row without them is a dead letter too.
+    with beam.Pipeline(options=local_options()) as p:
+        result = p | beam.Create([{"topic": "t", "partition": 0}]) | AttachEventId()
+        reasons = result.dead_letters | beam.Map(lambda d: d.reason)
+        assert_that(reasons, equal_to(["no Kafka coordinates in element to derive an event id from: missing 'offset'"]))
