@@ -8,9 +8,10 @@ field (or a Kafka coordinate) comes out of ``dead_letters`` with the reason.
 Example::
 
     import apache_beam as beam
+    from runners.direct import local_options
     from transforms import AttachEventId
 
-    with beam.Pipeline() as p:
+    with beam.Pipeline(options=local_options()) as p:
         rows = p | beam.Create([{"user_id": "u1", "ad_id": "a1", "event_time": 1}, {"user_id": "u2"}])
         result = rows | AttachEventId(fields=["user_id", "ad_id", "event_time"])
         result.events | beam.Map(print)                                # adds "event_id"

@@ -115,10 +115,19 @@ class CommitOffsetsAfter(beam.PTransform):
 
     Example::
 
-        records = p | ReadFromKafka(bootstrap, ["clicks"], "clicks-backfill", commit_offsets=False,
-                                    stop=StopPolicy(at_end_offsets=True))
-        iceberg = records | ... | WriteToIceberg(...)
-        records | CommitOffsetsAfter(bootstrap, "clicks-backfill", after=[iceberg])
+        import apache_beam as beam
+        from beamflow.postgres.table import TableSpec
+        from runners.direct import local_options
+        from transforms import CommitOffsetsAfter, ReadFromKafka, StopPolicy, WriteToPostgres
+
+        offsets = TableSpec("example_offsets", key=("kafka_partition", "kafka_offset"),
+                            columns={"kafka_partition": "integer", "kafka_offset": "bigint"})
+        with beam.Pipeline(options=local_options()) as p:
+            records = p | ReadFromKafka("127.0.0.1:9092", ["clicks"], "clicks-job", commit_offsets=False,
+                                        stop=StopPolicy(at_end_offsets=True))
+            rows = records | beam.Map(lambda r: {"kafka_partition": r.partition, "kafka_offset": r.offset})
+            written = rows | WriteToPostgres("postgresql://postgres@127.0.0.1:5432/beamflow", offsets, create=True)
+            records | CommitOffsetsAfter("127.0.0.1:9092", "clicks-job", after=[written])
 
     Needs: bounded input in a batch pipeline (on unbounded input a global side input never completes, and a
     streaming Flink job cannot checkpoint the side-input steps; streaming reads commit on finalization instead).

@@ -132,12 +132,18 @@ class DecodeAvro(beam.PTransform):
 
     Example::
 
-        decoded, dead = (
-            p
-            | ReadFromKafka(bootstrap, topics=["clicks"])
-            | DecodeAvro(registry_url, reader_schema=load_schema("click_v2"))
-        )
-        dead | WriteToPostgres(dsn, dead_letter_table)
+        import apache_beam as beam
+        from beamflow.avro import load_schema
+        from runners.direct import local_options
+        from transforms import DecodeAvro, ReadFromKafka, StopPolicy, WriteDeadLetters
+
+        with beam.Pipeline(options=local_options()) as p:
+            records = p | ReadFromKafka("127.0.0.1:9092", ["clicks"], "clicks-job",
+                                        stop=StopPolicy(at_end_offsets=True))
+            decoded, dead = records | DecodeAvro("http://127.0.0.1:8081", reader_schema=load_schema("click_v2"))
+            decoded | beam.Map(lambda click: print(click["user_id"], click["_kafka"]["offset"]))
+            dead | WriteDeadLetters("postgres", dsn="postgresql://postgres@127.0.0.1:5432/beamflow",
+                                    table="example_dead_letters")
     """
 
     def __init__(self, registry_url: str, reader_schema: dict[str, Any] | None = None) -> None:

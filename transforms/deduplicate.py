@@ -328,9 +328,17 @@ class DeduplicateEvents(beam.PTransform):
 
     ::
 
-        result = events | DeduplicateEvents(id_field="event_id", ttl=Duration(seconds=3600))
-        result.unique      | ...  # each event id once
-        result.quarantine  | ...  # QuarantinedEvent(event, event_id, reason, event_time, first_seen)
+        import apache_beam as beam
+        from apache_beam.transforms.window import TimestampedValue
+        from runners.direct import local_options
+        from transforms import DeduplicateEvents
+
+        events = [{"event_id": "a", "t": 1}, {"event_id": "b", "t": 2}, {"event_id": "a", "t": 3}]
+        with beam.Pipeline(options=local_options()) as p:
+            timed = p | beam.Create(events) | beam.Map(lambda e: TimestampedValue(e, e["t"]))
+            result = timed | DeduplicateEvents(id_field="event_id", ttl=3600)
+            result.unique | "Unique" >> beam.Map(print)   # each event id once: a (t=1), b
+            result.quarantine | "Quarantined" >> beam.Map(print)   # QuarantinedEvent(event, event_id, reason, ...)
 
     The result is a ``DeduplicateResult`` named tuple (``.unique``, ``.quarantine``).
 

@@ -171,10 +171,23 @@ class Enrich(beam.PTransform):
 
     ::
 
-        drivers = PostgresTableLookup(dsn, "drivers", key_column="driver_id", columns=("driver_name", "rating"))
-        result = rides | "Drivers" >> Enrich(drivers, key_field="driver_id", on_missing="pass")
-        result.enriched       # {**ride, "driver_name": ..., "rating": ...}, same timestamp and window as the ride
-        result.dead_letters   # rides without a driver_id
+        import apache_beam as beam
+        import psycopg
+        from beamflow.postgres.lookups import PostgresTableLookup
+        from runners.direct import local_options
+        from transforms import Enrich
+
+        dsn = "postgresql://postgres@127.0.0.1:5432/beamflow"
+        with psycopg.connect(dsn) as conn:   # the dimension table
+            conn.execute("CREATE TABLE IF NOT EXISTS example_drivers (driver_id text PRIMARY KEY, driver_name text,"
+                         " rating real)")
+            conn.execute("INSERT INTO example_drivers VALUES ('d1', 'Ada', 4.9) ON CONFLICT DO NOTHING")
+        drivers = PostgresTableLookup(dsn, "example_drivers", key_column="driver_id", columns=("driver_name", "rating"))
+        rides = [{"ride_id": 1, "driver_id": "d1"}, {"ride_id": 2, "driver_id": "d9"}, {"ride_id": 3}]
+        with beam.Pipeline(options=local_options()) as p:
+            result = p | beam.Create(rides) | "Drivers" >> Enrich(drivers, key_field="driver_id", on_missing="pass")
+            result.enriched | "Enriched" >> beam.Map(print)   # {**ride, "driver_name": ..., "rating": ...}
+            result.dead_letters | "NoKey" >> beam.Map(print)   # ride 3: no driver_id
 
     Lookups are batched (one statement per batch of distinct keys, ``max_batch_size``), at most ``max_in_flight``
     batches run at once on a thread pool per worker, answers are cached per worker (LRU ``cache_size`` entries,

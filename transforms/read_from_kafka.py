@@ -29,8 +29,8 @@ Example::
 
     with beam.Pipeline(options=local_options()) as p:
         records = p | ReadFromKafka("127.0.0.1:9092", ["clicks"], group_id="clicks-job",
-                                    stop=StopPolicy(at_end_offsets=True))
-        records | beam.Map(lambda r: (r.partition, r.offset))
+                                    stop=StopPolicy(at_end_offsets=True))   # bounded: up to the end offsets
+        records | beam.Map(lambda r: print(r.partition, r.offset, len(r.value or b"")))
 """
 
 from __future__ import annotations

@@ -21,7 +21,9 @@ its declarations in ``GUARANTEES`` (the README's guarantee table is tested again
 
 A complete sink, appending lines to a file (at-least-once: a retried bundle appends its lines again)::
 
+    import tempfile
     import apache_beam as beam
+    from runners.direct import local_options
     from transforms.sink_base import Declared, Guarantee, SinkFn, write_with
 
     class _AppendLinesFn(SinkFn):
@@ -56,8 +58,8 @@ A complete sink, appending lines to a file (at-least-once: a retried bundle appe
         def expand(self, lines):
             return write_with(lines, _AppendLinesFn(self.path))
 
-    with beam.Pipeline() as p:
-        result = p | beam.Create(["a", "b", 3]) | AppendLines("{tmp}/lines.txt")
+    with beam.Pipeline(options=local_options()) as p:
+        result = p | beam.Create(["a", "b", 3]) | AppendLines(tempfile.mkdtemp() + "/lines.txt")
         result.dead_letters | beam.Map(lambda d: print(d.reason))   # expected a str, got int
 """
 

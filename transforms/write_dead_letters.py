@@ -166,9 +166,18 @@ class WriteDeadLetters(beam.PTransform):
 
     ::
 
-        dead = (decoded.dead_letters, iceberg.dead_letters, postgres.dead_letters) | beam.Flatten()
-        dead | WriteDeadLetters("postgres", dsn=dsn, table="dead_letters")       # or:
-        dead | WriteDeadLetters("kafka", bootstrap=bootstrap, topic="clicks-dlq")
+        import apache_beam as beam
+        from beamflow.deadletter import DeadLetter
+        from runners.direct import local_options
+        from transforms import WriteDeadLetters
+
+        dead = [DeadLetter(b"\\x00garbage", "decode_avro", "not Confluent wire format", "clicks", 0, 42)]
+        with beam.Pipeline(options=local_options()) as p:
+            letters = p | beam.Create(dead)   # in a job: (decoded.dead_letters, iceberg.dead_letters, ...) | Flatten()
+            letters | "ToTable" >> WriteDeadLetters(
+                "postgres", dsn="postgresql://postgres@127.0.0.1:5432/beamflow", table="example_dead_letters"
+            )
+            letters | "ToTopic" >> WriteDeadLetters("kafka", bootstrap="127.0.0.1:9092", topic="clicks-dlq")
 
     ``sink="postgres"``: one immutable row per dead letter in ``table`` (created if missing, columns
     ``DEAD_LETTER_COLUMNS``), keyed by ``dead_letter_id``: a digest of the stage and the Kafka coordinates, or of the

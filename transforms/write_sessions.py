@@ -75,7 +75,25 @@ class WriteSessions(beam.PTransform):
 
     ::
 
-        rows | WriteSessions(dsn, "click_sessions")   # rows built by pipelines.clicks.session_row
+        import apache_beam as beam
+        from apache_beam.transforms.window import Sessions, TimestampedValue
+        from beamflow.aggregates import SessionClicksFn
+        from pipelines.clicks import session_row
+        from runners.direct import local_options
+        from transforms import HotKeyAggregate, WriteSessions
+
+        events = [("u1", {"event_type": kind, "event_time": ms, "event_id": f"e{offset}", "kafka_partition": 0,
+                          "kafka_offset": offset}) for offset, (kind, ms) in enumerate([("impression", 1_000),
+                                                                                         ("click", 61_000)])]
+        with beam.Pipeline(options=local_options()) as p:
+            (
+                p
+                | beam.Create(events)
+                | beam.Map(lambda kv: TimestampedValue(kv, kv[1]["event_time"] / 1000))
+                | HotKeyAggregate(SessionClicksFn(), windowfn=Sessions(600), strategy="bundle_partials")
+                | beam.Map(session_row)
+                | WriteSessions("postgresql://postgres@127.0.0.1:5432/beamflow", "example_sessions")
+            )
 
     Guarantee (across runs, not only within one): the table holds, per user, the sessions one pass over every event
     delivered so far would form, each event counted once. A row that overlaps stored sessions of its user replaces

@@ -277,12 +277,23 @@ class WriteToIceberg(beam.PTransform):
 
     Example::
 
-        rows | WriteToIceberg(
-            "analytics.impressions",
-            CatalogConfig(warehouse="/data/warehouse", uri="postgresql+psycopg2://user:pw@db/iceberg"),
-            sink_id="impressions-v1",
-            partition_by=[("event_time", "day")],
-        )
+        import datetime as dt
+        import tempfile
+        import apache_beam as beam
+        from beamflow.iceberg.catalog import CatalogConfig
+        from runners.direct import local_options
+        from transforms import WriteToIceberg
+
+        # Production: CatalogConfig(warehouse="s3://...", uri="postgresql+psycopg2://user:pw@db/iceberg")
+        catalog = CatalogConfig(warehouse=tempfile.mkdtemp())   # a SQLite catalog in the warehouse folder
+        day = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+        rows = [{"user_id": f"u{i}", "event_time": day, "topic": "clicks", "partition": 0, "offset": i}
+                for i in range(3)]
+        with beam.Pipeline(options=local_options()) as p:
+            result = p | beam.Create(rows) | WriteToIceberg(
+                "analytics.impressions", catalog, sink_id="impressions-v1", partition_by=[("event_time", "day")]
+            )
+            result.written | beam.Map(lambda commit: print(commit["rows_written"]))   # 3
 
     Needs: a SQL catalog (SQLite for development, PostgreSQL in production) and a warehouse folder every
     worker can reach.

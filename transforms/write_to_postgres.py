@@ -111,11 +111,21 @@ class WriteToPostgres(beam.PTransform):
 
     ::
 
-        spec = TableSpec("orders", key=("order_id",), version=("event_time", "kafka_offset"),
+        import apache_beam as beam
+        from beamflow.postgres.table import TableSpec
+        from runners.direct import local_options
+        from transforms import WriteDeadLetters, WriteToPostgres
+
+        dsn = "postgresql://postgres@127.0.0.1:5432/beamflow"
+        spec = TableSpec("example_orders", key=("order_id",), version=("event_time", "kafka_offset"),
                          columns={"order_id": "text", "event_time": "timestamptz NOT NULL",
                                   "kafka_offset": "bigint NOT NULL", "amount": "numeric(12, 2)"})
-        result = rows | WriteToPostgres(dsn, spec, create=True)
-        result.dead_letters | WriteDeadLetters("postgres", dsn=dsn, table="dead_letters")
+        rows = [{"order_id": "o1", "event_time": "2026-01-01T00:00:00Z", "kafka_offset": 7, "amount": 9.5},
+                {"order_id": "o2", "event_time": None, "kafka_offset": 8, "amount": 1}]   # NOT NULL: a dead letter
+        with beam.Pipeline(options=local_options()) as p:
+            result = p | beam.Create(rows) | WriteToPostgres(dsn, spec, create=True)
+            result.written | beam.Map(print)                  # {"table": "example_orders", "rows_written": 1}
+            result.dead_letters | WriteDeadLetters("postgres", dsn=dsn, table="example_dead_letters")
 
     Guarantee: idempotent, hence effectively exactly-once given deterministic keys and versions. Rows are
     written in batches of one transaction each (COPY into a temp table, then ``INSERT ... ON CONFLICT``); a
@@ -130,6 +140,9 @@ class WriteToPostgres(beam.PTransform):
     declared column the table lacks is added, nullable, before the first row carrying that field is written (old
     rows read NULL there). Anything else (a required new column, a type change, a NOT NULL column the declaration
     lacks) raises ``SchemaEvolutionError`` when the worker starts, before any row is written::
+
+        from beamflow.avro import load_schema
+        from beamflow.postgres.table import TableSpec, avro_columns
 
         spec = TableSpec("raw_clicks", key=("topic", "kafka_partition", "kafka_offset"), extra_fields="evolve",
                          columns=avro_columns(load_schema("click_v2"), topic="text NOT NULL",

@@ -79,12 +79,21 @@ class WriteVersionedCells(beam.PTransform):
 
     ::
 
-        cells = events | beam.Map(
-            lambda e: Cell(e["user"].encode(), "profile:email", e["ts_ms"], e["email"].encode())
-        )
-        result = cells | WriteVersionedCells(dsn, "user_cells", salt_buckets=16)
-        # read back: PostgresCellStore("user_cells", dsn=dsn).get(RowKeySalter(16).salt(b"u1"),
-        # "profile:email")
+        import apache_beam as beam
+        from beamflow.postgres.cells import Cell, PostgresCellStore, RowKeySalter
+        from runners.direct import local_options
+        from transforms import WriteVersionedCells
+
+        dsn = "postgresql://postgres@127.0.0.1:5432/beamflow"
+        events = [{"user": "u1", "ts_ms": 2, "email": "new@example.com"}, {"user": "u1", "ts_ms": 1, "email": "old@x"}]
+        with beam.Pipeline(options=local_options()) as p:
+            cells = p | beam.Create(events) | beam.Map(
+                lambda e: Cell(e["user"].encode(), "profile:email", e["ts_ms"], e["email"].encode())
+            )
+            cells | WriteVersionedCells(dsn, "example_user_cells", salt_buckets=16)
+        store = PostgresCellStore("example_user_cells", dsn=dsn)
+        assert store.get(RowKeySalter(16).salt(b"u1"), "profile:email").value == b"new@example.com"  # newest wins
+        store.close()
 
     Guarantee: idempotent, hence effectively exactly-once given deterministic row keys and cell timestamps:
     every cell version is stored once (a replayed version is a no-op) and reads return the newest timestamp,

@@ -33,18 +33,32 @@ class HotKeyAggregate(beam.PTransform):
 
     ::
 
-        rows = (
-            clicks                                    # (user_id, event), timestamped by event time
-            | HotKeyAggregate(
-                SessionClicksFn(),
-                windowfn=Sessions(600),
-                hot_keys={"user-1", "user-7"},        # and/or detect=HotKeyDetection(min_share=0.01)
-                fanout=16,
-                allowed_lateness=Duration(seconds=300),
-                shard_by=lambda event: event["event_id"],
+        import apache_beam as beam
+        from apache_beam.transforms.window import Sessions, TimestampedValue
+        from beamflow.aggregates import SessionClicksFn
+        from runners.direct import local_options
+        from transforms import HotKeyAggregate
+
+        clicks = [("user-1", {"event_type": "impression", "event_time": t, "event_id": f"e{t}"}) for t in (0, 60, 900)]
+        with beam.Pipeline(options=local_options()) as p:
+            rows = (
+                p
+                | beam.Create(clicks)
+                | beam.Map(lambda kv: TimestampedValue(kv, kv[1]["event_time"]))  # (user_id, event) by event time
+                | HotKeyAggregate(
+                    SessionClicksFn(),
+                    windowfn=Sessions(600),
+                    hot_keys={"user-1", "user-7"},        # and/or detect=HotKeyDetection(min_share=0.01)
+                    fanout=16,
+                    allowed_lateness=300,
+                    shard_by=lambda event: event["event_id"],
+                    strategy="windowed",
+                )
             )
-        )                                             # WindowedAggregate rows
-        rows | UpsertSink(key=("key", "window_start", "window_end"), version="pane_index")
+            rows | beam.Map(print)   # WindowedAggregate rows: user-1's sessions [0, 660) and [900, 1500)
+
+    A versioned upsert sink keeps the newest pane of each row: ``WriteToPostgres`` with
+    ``key=("key", "window_start", "window_end")`` and ``version=("pane_index",)``.
 
     Input: (key, value) pairs with event-time timestamps (in any windowing; this transform applies ``windowfn``).
     Output: ``WindowedAggregate`` rows, one per key, window and pane (accumulating panes: on time, then one per
