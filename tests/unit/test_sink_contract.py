@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -12,6 +14,7 @@ import pytest
 from apache_beam.testing.util import assert_that, equal_to
 from apache_beam.transforms.window import TimestampedValue
 
+import transforms
 from beamflow.deadletter import DeadLetter
 from runners.direct import local_options
 from transforms.sink_base import DEAD_LETTERS, Declared, Guarantee, SinkFn, SinkResult, write_with
@@ -22,7 +25,19 @@ from transforms.write_to_postgres import WriteToPostgres
 from transforms.write_versioned_cells import WriteVersionedCells
 
 README = Path(__file__).resolve().parents[2] / "README.md"
-SINK_TRANSFORMS = (WriteToPostgres, WriteVersionedCells, WriteSessions, WriteToIceberg, WriteDeadLetters)
+
+
+def _sink_transforms() -> list[type[beam.PTransform]]:
+    """Every PTransform under transforms/ that declares its guarantees (``GUARANTEES``): the sinks."""
+    found: dict[str, type[beam.PTransform]] = {}
+    for info in pkgutil.walk_packages(transforms.__path__, "transforms."):
+        for value in vars(importlib.import_module(info.name)).values():
+            if isinstance(value, type) and issubclass(value, beam.PTransform) and "GUARANTEES" in vars(value):
+                found[value.__name__] = value
+    return sorted(found.values(), key=lambda t: t.__name__)
+
+
+SINK_TRANSFORMS = _sink_transforms()
 # A bold guarantee in the README's table, optionally followed by the variant it applies to: **idempotent** (`postgres`)
 _BOLD = re.compile(r"\*\*([a-z-]+)\*\*(?: \(`(\w+)`\))?")
 
@@ -49,6 +64,11 @@ def declared_in_readme(name: str) -> set[tuple[str, str]]:
 def test_readme_guarantee_table_matches_the_declarations(sink: type[beam.PTransform]) -> None:
     declared = {(d.guarantee.value, variant) for variant, d in _guarantees(sink).items()}
     assert declared_in_readme(sink.__name__) == declared
+
+
+def test_the_known_sinks_are_found() -> None:
+    expected = {WriteToPostgres, WriteVersionedCells, WriteSessions, WriteToIceberg, WriteDeadLetters}
+    assert expected <= set(SINK_TRANSFORMS)
 
 
 def test_the_readme_check_sees_a_wrong_guarantee() -> None:
