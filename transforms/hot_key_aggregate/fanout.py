@@ -29,6 +29,7 @@ from transforms.hot_key_aggregate.detection import HotKeyDetection, _FrequentKey
 __all__ = ["windowed_aggregate"]
 
 _HOT = "hot"
+_MILLI = Duration(micros=1000)
 
 
 class _RouteByHotness(beam.DoFn):
@@ -77,7 +78,8 @@ class _StripShard(beam.DoFn):
     With Sessions, a shard's partial session is the window [first, last + gap) of the events it saw; the true
     sessions are the connected components of the union of every event's [t, t + gap). Re-windowing a single element
     per partial with Sessions(gap) would give [t, t + gap) only, narrower than the partial. So each partial is
-    emitted as markers at first, first + step, ..., last (step < gap, so their [p, p + gap) windows overlap and
+    emitted as markers at first, first + step, ..., last (step = gap - 1 ms, so their [p, p + gap) windows overlap, also
+    in the millisecond precision the runners carry timestamps in, and
     their union is exactly [first, last + gap)); the accumulator rides on the last marker, the others carry None
     (the identity for the final combine). Sessions(gap) over the markers of all shards then merges into exactly the
     sessions a one-stage CombinePerKey forms. Markers are never earlier than the first event, which is the stage-1
@@ -98,7 +100,10 @@ class _StripShard(beam.DoFn):
             return
         first = window.start
         last = window.end - self._gap
-        step = self._gap - Duration(micros=1)
+        # One millisecond short of the gap, not one microsecond: the runners' coders carry timestamps in millis, so a
+        # marker at first + k * (gap - 1 us) reaches the merge truncated to first + k * gap - 1 ms, where its window
+        # only touches the previous one (Sessions merges overlaps, not touching windows) and the session breaks.
+        step = self._gap - _MILLI if self._gap > _MILLI else self._gap - Duration(micros=1)
         at = first
         while at < last:
             yield TimestampedValue((key, None), at)
