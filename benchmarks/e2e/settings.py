@@ -7,7 +7,7 @@ from typing import Any
 VARIANTS = ("baseline", "beamflow-head", "beamflow", "flink")
 
 # What the ``beamflow-head`` variant takes from git HEAD instead of the working tree.
-HEAD_FILES = ("transforms/deduplicate.py", "transforms/hot_key_aggregate.py")
+HEAD_FILES = ("transforms/deduplicate.py", "transforms/hot_key_aggregate/")  # a module file or a package folder
 
 GOAL = 0.5
 

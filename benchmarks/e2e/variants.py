@@ -157,15 +157,50 @@ def _code_digest(paths: list[str | None]) -> str:
 
 
 def use_committed(paths: tuple[str, ...] = HEAD_FILES) -> None:
-    """Imports the git HEAD version of each module file in place of the working tree's (before anything imports it)."""
+    """Imports the git HEAD version of each module file (or package folder) in place of the working tree's, before
+    anything imports it."""
     import importlib
+    import importlib.abc
+    import importlib.util
     import types
 
     repo = Path(__file__).resolve().parents[2]
-    for path in paths:
-        source = subprocess.run(
+
+    def head(path: str) -> str:
+        return subprocess.run(
             ["git", "show", f"HEAD:{path}"], cwd=repo, capture_output=True, text=True, check=True
         ).stdout
+
+    packages = [path.rstrip("/") for path in paths if not path.endswith(".py")]
+    if packages:
+
+        class _HeadSources(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+            """Serves the modules of a package folder from git HEAD (its submodules import each other)."""
+
+            def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+                for package in packages:
+                    prefix = package.replace("/", ".")
+                    if name == prefix or name.startswith(prefix + "."):
+                        is_package = name == prefix
+                        file = package + (
+                            "/__init__.py" if is_package else name[len(prefix) :].replace(".", "/") + ".py"
+                        )
+                        return importlib.util.spec_from_loader(name, self, origin=file, is_package=is_package)
+                return None
+
+            def create_module(self, spec: Any) -> None:
+                return None
+
+            def exec_module(self, module: types.ModuleType) -> None:
+                file = str(module.__spec__.origin)  # type: ignore[union-attr]
+                module.__file__ = str(repo / file)
+                exec(compile(head(file), f"HEAD:{file}", "exec"), module.__dict__)  # measurement only
+
+        sys.meta_path.insert(0, _HeadSources())
+    for path in paths:
+        if not path.endswith(".py"):
+            continue
+        source = head(path)
         name = path.removesuffix(".py").replace("/", ".")
         module = types.ModuleType(name)
         module.__file__ = str(repo / path)
