@@ -13,11 +13,11 @@ from beamflow.avro.registry import SchemaRegistryClient
 from beamflow.avro.serde import AvroDecodeError, AvroDeserializer
 from beamflow.deadletter import DeadLetter
 from beamflow.kafka.record import KafkaRecord
+from transforms.sink_base import DEAD_LETTERS  # the one output name of every stage's dead letters
 
 __all__ = ["DEAD_LETTERS", "KAFKA_KEY", "METRICS_NAMESPACE", "STAGE", "DecodeAvro", "DecodeAvroResult"]
 
 METRICS_NAMESPACE = "beamflow.decode_avro"
-DEAD_LETTERS = "dead_letters"
 KAFKA_KEY = "_kafka"
 STAGE = "decode_avro"
 
