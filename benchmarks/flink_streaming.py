@@ -258,7 +258,7 @@ class Sampler(threading.Thread):
         consumer = Consumer(
             {"bootstrap.servers": kafka["bootstrap"], "group.id": kafka["group_id"], "enable.auto.commit": False}
         )
-        rest = FlinkRest(self.config["_rest_url"], timeout=10)
+        rest = FlinkRest(self.config["flink"]["rest_url"], timeout=10)
         tps = [TopicPartition(kafka["topic"], p) for p in range(int(kafka["partitions"]))]
         n = 0
         try:
@@ -446,7 +446,6 @@ def run_direct(states: dict[str, Any], traffic: Any, workdir: Path) -> dict[str,
     """The clicks job on the pinned local runner over the backlog (bounded), timed as benchmarks.e2e times it."""
     config = _variant_config("fsdirect", states, 1)
     config.pop("flink")
-    config.pop("_rest_url")
     config["kafka"]["bounded"] = True
     _produce_backlog(config, traffic)
     path = workdir / "direct.json"
@@ -493,7 +492,7 @@ def _submit(config: dict[str, Any], workdir: Path) -> tuple[str, float]:
         raise RuntimeError(f"submission of {name} failed ({proc.returncode}): {log.read_text()[-3000:]}")
     # The job server reports RUNNING (and the submitter returns) when its invocation starts, before the job graph
     # has reached Flink (seen: 16 s later): wait for the Flink job by name.
-    rest = FlinkRest(config["_rest_url"])
+    rest = FlinkRest(config["flink"]["rest_url"])
     deadline = time.monotonic() + 300
     jobs: list[Any] = []
     while not jobs:
@@ -573,7 +572,7 @@ def run_streaming(
     config = _variant_config(f"fs{label}", states, parallelism)
     config["postgres"]["first_copies_table"] = f"first_copies_{config['job']['name']}"
     backlog_end = _produce_backlog(config, backlog)
-    rest = FlinkRest(config["_rest_url"])
+    rest = FlinkRest(config["flink"]["rest_url"])
     roots = {
         "taskmanagers": [pid for role, pid in states["flink"].info["roles"].items() if role.startswith("taskmanager")],
         "jobmanager": [states["flink"].info["roles"]["jobmanager"]],

@@ -5,6 +5,11 @@ fused stage that ran it, per subtask, named ``<subtask>.<operator>.<namespace wi
 ``0.[13]{ReadClicks__DecodeAvro__...}.beamflow_kafka_records_read``; ``/jobs/<id>/accumulators`` stays empty. This
 command lists each vertex's metric ids, fetches the ``beamflow_*`` ones and sums them over subtasks. With ``--conf``
 (the job's configuration) it also shows the consumer group's lag per partition and the Iceberg sink's commits.
+
+Across failovers: Flink restarts every operator metric at zero with each attempt (a restore from a checkpoint, a
+restarted task), so the Beam counters cover the current attempt only and are labelled so. The figures since the job
+started come from where the records ended up, which survives every attempt: the Iceberg table's rows, the
+PostgreSQL quarantine, dead-letter and sessions tables, and the consumer group's committed offsets (``--conf``).
 """
 
 from __future__ import annotations
@@ -55,6 +60,8 @@ class JobStatus:
     min_output_watermark_ms: int | None = None  # None: no vertex has advanced its watermark yet
     kafka_lag: dict[int, int] | None = None  # partition -> end offset - committed offset
     iceberg_commits: list[dict[str, Any]] | None = None  # newest first: time, rows added
+    # Since the job started, from the sinks (all attempts): label -> count; None without --conf.
+    sink_totals: dict[str, int] | None = None
 
     @property
     def late_dropped(self) -> float | None:
@@ -164,6 +171,80 @@ def iceberg_commits(config: Mapping[str, Any], last: int = 3) -> list[dict[str, 
     return out
 
 
+# sink_totals keys, in display order, with their labels.
+SINK_TOTALS: tuple[tuple[str, str], ...] = (
+    ("kafka_committed", "records committed to the consumer group"),
+    ("iceberg_rows", "rows in the Iceberg table"),
+    ("quarantined", "duplicates in the quarantine table"),
+    ("dead_letters", "dead letters in the dead-letter table"),
+    ("session_rows", "rows in the sessions table"),
+)
+
+
+def sink_totals(config: Mapping[str, Any]) -> dict[str, int]:
+    """What the job's sinks hold now, whatever attempt wrote it (a missing sink or table is left out).
+
+    Kafka: committed minus earliest offset, summed over partitions (what the job made durable and committed; the
+    group starts at the earliest offset). Iceberg: the current snapshot's ``total-records``. PostgreSQL: row counts.
+    """
+    out: dict[str, int] = {}
+    try:
+        out["kafka_committed"] = _committed_records(config)
+    except Exception as exc:
+        print(f"kafka committed offsets unavailable: {exc}", file=sys.stderr)
+    try:
+        from beamflow.iceberg.catalog import CatalogConfig, open_catalog
+
+        ice = config["iceberg"]
+        catalog = open_catalog(CatalogConfig(warehouse=ice["catalog"]["warehouse"], uri=ice["catalog"].get("uri", "")))
+        snapshot = catalog.load_table(ice["table"]).current_snapshot()
+        summary = snapshot.summary.additional_properties if snapshot and snapshot.summary else {}
+        out["iceberg_rows"] = int(summary.get("total-records", 0))
+    except Exception as exc:  # no table before the first commit
+        print(f"iceberg rows unavailable: {exc}", file=sys.stderr)
+    pg = config.get("postgres") or {}
+    if pg.get("dsn"):
+        import psycopg
+        from psycopg import sql
+
+        tables = {"quarantined": pg.get("quarantine_table"), "session_rows": pg.get("sessions_table")}
+        if ((config.get("dead_letters") or {}).get("sink") or "postgres") == "postgres":
+            tables["dead_letters"] = pg.get("dead_letters_table")
+        try:
+            with psycopg.connect(pg["dsn"], autocommit=True, connect_timeout=10) as conn:
+                for key, table in tables.items():
+                    if not table:
+                        continue
+                    try:
+                        row = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(table))).fetchone()
+                    except psycopg.errors.UndefinedTable:
+                        continue
+                    out[key] = int(row[0]) if row else 0
+        except psycopg.OperationalError as exc:
+            print(f"postgres counts unavailable: {exc}", file=sys.stderr)
+    return out
+
+
+def _committed_records(config: Mapping[str, Any]) -> int:
+    from confluent_kafka import Consumer, TopicPartition
+
+    kafka = config["kafka"]
+    consumer = Consumer(
+        {"bootstrap.servers": kafka["bootstrap"], "group.id": kafka["group_id"], "enable.auto.commit": False}
+    )
+    try:
+        metadata = consumer.list_topics(kafka["topic"], timeout=10).topics[kafka["topic"]]
+        parts = [TopicPartition(kafka["topic"], p) for p in sorted(metadata.partitions)]
+        total = 0
+        for tp in consumer.committed(parts, timeout=10):
+            if tp.offset >= 0:
+                low, _ = consumer.get_watermark_offsets(tp, timeout=10)
+                total += tp.offset - low
+        return total
+    finally:
+        consumer.close()
+
+
 def find_job(rest: FlinkRest, wanted: str | None) -> str:
     """A job id: ``wanted`` as an id or (part of) a name, else the newest running job."""
     jobs = rest.jobs()
@@ -198,6 +279,7 @@ def collect_status(rest: FlinkRest, job_id: str, config: Mapping[str, Any] | Non
             status.iceberg_commits = iceberg_commits(config)
         except Exception as exc:
             print(f"iceberg commits unavailable: {exc}", file=sys.stderr)
+        status.sink_totals = sink_totals(config)
     return status
 
 
@@ -207,15 +289,26 @@ def _when(ms: int) -> str:
 
 def format_status(status: JobStatus) -> str:
     rows: list[tuple[str, str]] = [("job", f"{status.name} ({status.job_id})"), ("state", status.state)]
+    if status.sink_totals is not None:
+        rows.append(("SINCE THE JOB STARTED", "from the sinks, all attempts"))
+        for key, label in SINK_TOTALS:
+            rows.append((f"  {label}", f"{status.sink_totals[key]:,}" if key in status.sink_totals else "n/a"))
+    restores = status.checkpoints.get("restored", 0)
+    rows.append(
+        (
+            "CURRENT ATTEMPT ONLY",
+            f"Beam counters restart at 0 with every attempt ({restores} restore{'s' if restores != 1 else ''} so far)",
+        )
+    )
     shown = set()
     for name, label in KNOWN_METRICS:
         if name in status.metrics:
-            rows.append((label, f"{status.metrics[name]:,.0f}"))
+            rows.append((f"  {label}", f"{status.metrics[name]:,.0f}"))
             shown.add(name)
     if status.late_dropped is not None:
-        rows.append(("session inputs dropped as too late", f"{status.late_dropped:,.0f}"))
+        rows.append(("  session inputs dropped as too late", f"{status.late_dropped:,.0f}"))
     for name in sorted(set(status.metrics) - shown):
-        rows.append((name, f"{status.metrics[name]:,.0f}"))
+        rows.append((f"  {name}", f"{status.metrics[name]:,.0f}"))
     if status.kafka_lag is not None:
         rows.append(("Kafka lag (end - committed), total", f"{sum(status.kafka_lag.values()):,}"))
         for partition, lag in sorted(status.kafka_lag.items()):
@@ -250,11 +343,15 @@ def format_status(status: JobStatus) -> str:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "status", help="a Flink job's Beam metrics (records, duplicates, late, dead letters) and checkpoints"
+        "status",
+        help="a Flink job's Beam metrics (current attempt), checkpoints, and with --conf what its sinks hold since it "
+        "started (all attempts)",
     )
     parser.add_argument("--rest", help="Flink REST address (default: the local FlinkService)")
     parser.add_argument("--job", help="job id or (part of) its name (default: the newest running job)")
-    parser.add_argument("--conf", help="the job's config YAML: adds Kafka lag and Iceberg commit times")
+    parser.add_argument(
+        "--conf", help="the job's config YAML: adds Kafka lag, Iceberg commits and the sinks' totals since the start"
+    )
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.set_defaults(func=run)

@@ -35,6 +35,7 @@ __all__ = [
     "TrafficFeeder",
     "drill_config",
     "latest_retained_checkpoint",
+    "python_workers",
     "sink_holdings",
     "wait_for_sinks",
 ]
@@ -80,7 +81,6 @@ def drill_config(
     )
     # Sessions close 20 s of event time after a user's last click, so they are written while the drill runs.
     config["sessions"].update(gap_s=20)
-    config["_rest_url"] = flink.info["rest_url"]  # for the drills only; the job ignores unknown top-level keys
     settings: dict[str, Any] = {
         "job_endpoint": flink.info["job_endpoint"],
         "rest_url": flink.info["rest_url"],
@@ -116,7 +116,15 @@ def traffic_for(config: dict[str, Any], events: int, seed: int, v2_from: float |
 class DrillJob:
     """One submission of the clicks job in its own process; ``job_id`` is found through Flink REST by job name."""
 
-    def __init__(self, config: dict[str, Any], work_dir: Path, label: str, extra_args: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        config: dict[str, Any],
+        work_dir: Path,
+        label: str,
+        extra_args: tuple[str, ...] = (),
+        module: str = "pipelines.clicks",
+    ) -> None:
+        self.module = module  # tests.flink.broken_clicks: the variant the holdings check must catch
         self.config = json.loads(json.dumps(config))
         self.job_name = f"{config['job']['name']}-{label}"
         self.config["flink"]["job_name"] = self.job_name
@@ -132,7 +140,7 @@ class DrillJob:
 
     def start(self, timeout: float = 240) -> DrillJob:
         started = time.monotonic()
-        argv = [sys.executable, "-m", "pipelines.clicks", "--runner=FlinkRunner", f"--conf={self.conf_path}"]
+        argv = [sys.executable, "-m", self.module, "--runner=FlinkRunner", f"--conf={self.conf_path}"]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [*argv, *self.extra_args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -212,8 +220,32 @@ def taskmanager_role_running(rest: FlinkRest, job_id: str) -> str:
     return "taskmanager" if index == 1 else f"taskmanager-{index}"
 
 
+def python_workers(flink: ServiceState, job_name: str) -> list[int]:
+    """Pids of the job's Python SDK workers under this cluster's TaskManagers (PROCESS: TaskManager -> boot ->
+    ``sdk_worker_main``), told apart from other jobs' by the pipeline options boot hands them (``PIPELINE_OPTIONS``)."""
+    taskmanagers = {pid for role, pid in flink.info.get("roles", {}).items() if role.startswith("taskmanager")}
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if b"sdk_worker_main" not in (proc / "cmdline").read_bytes():
+                continue
+            if job_name.encode() not in (proc / "environ").read_bytes():
+                continue
+            pid = int(proc.name)
+            ancestor = pid
+            while ancestor > 1 and ancestor not in taskmanagers:
+                ancestor = int((Path("/proc") / str(ancestor) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ancestor in taskmanagers:
+                found.append(pid)
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
 def _rest_url(config: dict[str, Any]) -> str:
-    return str(config["_rest_url"])
+    return str(config["flink"]["rest_url"])
 
 
 class TrafficFeeder(threading.Thread):
@@ -506,7 +538,9 @@ def _copies_kept_once(
     """
     problems: list[str] = []
     copies = event_copies(traffic)
-    kept_none, kept_twice, unquarantined = [], [], []
+    kept_none: list[list[tuple[int, int]]] = []
+    kept_twice: list[list[tuple[int, int]]] = []
+    unquarantined: list[tuple[int, int]] = []
     for coordinates in copies:
         kept = [c for c in coordinates if c in iceberg]
         if not kept:

@@ -159,7 +159,7 @@ def backlog_run(
         _wait_for(lambda: committed_offsets(config) == end, 120, f"committed offsets to reach {end}", job)
         result["timings"]["lag_zero_s"] = round(time.monotonic() - t0, 1)
         assert job.job_id is not None
-        rest = FlinkRest(config["_rest_url"])
+        rest = FlinkRest(config["flink"]["rest_url"])
         result["state"] = rest.job_state(job.job_id)
         result["checkpoints"] = rest.checkpoints(job.job_id)
         result["exceptions"] = rest.job_exceptions(job.job_id)

@@ -62,7 +62,7 @@ def test_a_pool_of_another_apache_beam_is_refused_naming_both_versions() -> None
         problem = worker_pool_problem(address)
         assert problem is not None
         assert "apache_beam 2.61.0" in problem and f"here {local_versions()['apache_beam']}" in problem
-        with pytest.raises(SubmissionError, match="apache_beam 2.61.0"):
+        with pytest.raises(SubmissionError, match=r"apache_beam 2\.61\.0"):
             check_reachable(_config(address, job_endpoint=address))
     finally:
         server.stop(0)

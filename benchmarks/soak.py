@@ -1,0 +1,148 @@
+"""Soak of the streaming clicks job on Flink (issue 15, item 4): memory and checkpoint size under steady traffic.
+
+    BEAMFLOW_DATA=$PWD/.data/soak .venv/bin/python -m benchmarks.soak [--minutes 10] [--rate 100] \
+        [--sample-s 30] [--checkpoint-ms 10000] [--json F]
+
+On demand, not in the test run. The job is ``pipelines.clicks`` in the production shape (parallelism 2 over two
+TaskManagers with their Python SDK workers, ``conf/flink.yaml``'s settings, checkpoints every ``--checkpoint-ms``),
+fed live traffic at ``--rate`` records/s (``benchmarks.flink_streaming.LiveProducer``: event time = now, 5% duplicate
+sends, bad records). Every ``--sample-s`` seconds: the resident memory (VmRSS) of each TaskManager JVM and of the job's
+Python SDK workers (summed), the latest completed checkpoint's full state size and its incremental size (Flink
+REST), and the consumer lag. Prints the curve and the growth between minute 2 and the last sample (goal: under 10%
+for TaskManager RSS, Python worker RSS and checkpoint size; what grows without bound is what matters: the read's
+SDF restriction state on portable Flink, apache/beam#27648).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+GOAL_GROWTH = 0.10
+SERIES = ("taskmanager_rss_mb", "python_workers_rss_mb", "checkpoint_state_mb", "checkpoint_incremental_mb")
+
+
+def rss_mb(pid: int) -> float:
+    """Resident memory of one process in MB (0 when it is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def sample(rest: Any, job_id: str, flink: Any, job_name: str, config: dict[str, Any], t0: float) -> dict[str, Any]:
+    from beamflow.cli.status import kafka_lag
+    from tests.flink.drill_support import python_workers
+
+    taskmanagers = [pid for role, pid in flink.info["roles"].items() if role.startswith("taskmanager")]
+    workers = python_workers(flink, job_name)
+    latest = (rest.checkpoints(job_id).get("latest") or {}).get("completed") or {}
+    try:
+        lag = sum(kafka_lag(config).values())
+    except Exception:
+        lag = -1
+    return {
+        "t_s": round(time.monotonic() - t0),
+        "taskmanager_rss_mb": round(sum(rss_mb(p) for p in taskmanagers), 1),
+        "python_workers": len(workers),
+        "python_workers_rss_mb": round(sum(rss_mb(p) for p in workers), 1),
+        "checkpoint_id": latest.get("id"),
+        "checkpoint_state_mb": round(float(latest.get("state_size") or 0) / 2**20, 3),
+        "checkpoint_incremental_mb": round(float(latest.get("checkpointed_size") or 0) / 2**20, 3),
+        "lag": lag,
+    }
+
+
+def growth(samples: list[dict[str, Any]], key: str, from_s: float) -> float | None:
+    """Relative growth of ``key`` from the first sample at or after ``from_s`` to the last sample."""
+    base = next((s for s in samples if s["t_s"] >= from_s), None)
+    if base is None or not base[key] or base is samples[-1]:
+        return None
+    return float((samples[-1][key] - base[key]) / base[key])
+
+
+def report(samples: list[dict[str, Any]], from_s: float) -> list[str]:
+    header = f"{'t (s)':>6} {'TM RSS MB':>10} {'workers':>7} {'worker RSS MB':>13} {'ckpt':>5} {'state MB':>9} " + (
+        f"{'incr MB':>8} {'lag':>6}"
+    )
+    lines = [header]
+    for s in samples:
+        lines.append(
+            f"{s['t_s']:>6} {s['taskmanager_rss_mb']:>10.1f} {s['python_workers']:>7} "
+            f"{s['python_workers_rss_mb']:>13.1f} {s['checkpoint_id'] or '-':>5} {s['checkpoint_state_mb']:>9.3f} "
+            f"{s['checkpoint_incremental_mb']:>8.3f} {s['lag']:>6}"
+        )
+    lines.append(f"growth from minute {from_s / 60:g} to the last sample (goal < {GOAL_GROWTH:.0%}):")
+    for key in SERIES:
+        value = growth(samples, key, from_s)
+        verdict = "n/a" if value is None else f"{value:+.1%} ({'met' if value < GOAL_GROWTH else 'MISSED'})"
+        lines.append(f"  {key:28} {verdict}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__.split("\n")[0])
+    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--rate", type=float, default=100.0, help="live records per second")
+    parser.add_argument("--sample-s", type=float, default=30.0)
+    parser.add_argument("--checkpoint-ms", type=int, default=10_000)
+    parser.add_argument("--from-minute", type=float, default=2.0, help="growth is measured from this minute on")
+    parser.add_argument("--json", help="write the samples here")
+    args = parser.parse_args(argv)
+
+    from beamflow.flink_rest import FlinkRest
+    from beamflow.kafka.admin import create_topic
+    from benchmarks.flink_streaming import LiveProducer, _services, _submit, _variant_config
+
+    states = _services()
+    config = _variant_config("soak", states, 2)
+    config["flink"]["checkpointing_interval_ms"] = args.checkpoint_ms
+    config["postgres"]["first_copies_table"] = f"first_copies_{config['job']['name']}"
+    kafka = config["kafka"]
+    create_topic(kafka["bootstrap"], kafka["topic"], int(kafka["partitions"]))
+    workdir = Path(config["iceberg"]["catalog"]["warehouse"].removeprefix("file://")).parent / "soak"
+    workdir.mkdir(parents=True, exist_ok=True)
+    job_id, _ = _submit(config, workdir)
+    rest = FlinkRest(config["flink"]["rest_url"])
+    live = LiveProducer(config, args.rate, {p: 0 for p in range(int(kafka["partitions"]))}, seed=77)
+    live.start()
+    t0 = time.monotonic()
+    samples: list[dict[str, Any]] = []
+    try:
+        end = t0 + args.minutes * 60
+        next_at = t0
+        while True:
+            time.sleep(max(0.0, next_at - time.monotonic()))
+            if live.error is not None:
+                raise RuntimeError(f"live producer failed: {live.error}")
+            if rest.job_state(job_id) != "RUNNING":
+                raise RuntimeError(f"the job is {rest.job_state(job_id)}: {rest.job_exceptions(job_id)}")
+            samples.append(sample(rest, job_id, states["flink"], config["flink"]["job_name"], config, t0))
+            print(json.dumps(samples[-1]), flush=True)
+            next_at += args.sample_s
+            if next_at > end + 1:
+                break
+    finally:
+        live.stop()
+        rest.cancel(job_id)
+    counts = rest.checkpoints(job_id).get("counts", {})
+    lines = report(samples, args.from_minute * 60)
+    lines.append(
+        f"records produced {len(live.records):,} at {args.rate:g}/s; checkpoints completed {counts.get('completed')}, "
+        f"failed {counts.get('failed')}, restored {counts.get('restored')}"
+    )
+    print("\n".join(lines))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "samples": samples, "report": lines}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""Seed 002's question 3 on Flink, in the production shape: one partition silent while the others flow.
+
+One job (``tests/flink/idle_sessions_job.py``) reads a 3-partition topic twice, with and without an idle timeout,
+into ``HotKeyAggregate``'s windowed session path (Sessions of 3 s, 60 s allowed lateness). Partitions 0 and 1 get a
+new user's burst of clicks every second, stamped with the wall clock; partition 2 gets nothing. Checked:
+
+* with the idle timeout, sessions fire (on time, complete) while the job is RUNNING;
+* without it, in the same time, no session fires: the silent partition holds the watermark (the check can fail);
+* records that then arrive on the silent partition with old timestamps are counted late by the read, the one within
+  the allowed lateness updates its fired session in a late pane, the one beyond it is dropped.
+
+Why the earlier version fired nothing in two clean-clone runs: it produced everything before the job ran, waited only
+for the job to be RUNNING (Flink says RUNNING while tasks still wait for slots or deploy) and gave the windows
+150 s; on a loaded machine the read's first bundles came later than that. This one waits until every task runs and
+a checkpoint completed, produces live traffic while it waits, and waits event-driven with generous limits.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from beamflow.cli.status import beam_metrics
+from beamflow.flink_rest import FlinkRest
+from beamflow.kafka.admin import create_topic, produce
+from beamflow.services import ServiceState
+from beamflow.services.paths import project_root
+
+pytestmark = pytest.mark.flink
+
+GAP_S = 3
+LATENESS_S = 60
+IDLE_MS = 3000
+BURST = 10  # clicks per user, 5 on partition 0 and 5 on partition 1
+
+
+@dataclass
+class IdleJob:
+    rest: FlinkRest
+    job_id: str
+    out: Path
+    bootstrap: str
+    topic: str
+
+    def panes(self, branch: str) -> list[dict[str, Any]]:
+        folder = self.out / branch
+        rows = []
+        for path in folder.glob("*.jsonl") if folder.exists() else ():
+            rows.extend(json.loads(line) for line in path.read_text().splitlines() if line.strip())
+        return rows
+
+    def diagnosis(self) -> str:
+        lines = [f"state {self.rest.job_state(self.job_id)}"]
+        for vertex in self.rest.job(self.job_id).get("vertices", []):
+            marks = self.rest._request("GET", f"/jobs/{self.job_id}/vertices/{vertex['id']}/watermarks")
+            lines.append(f"  {vertex['status']} watermarks {[m['value'] for m in marks]} {vertex['name'][:90]}")
+        return "\n".join(lines)
+
+
+def _all_tasks_running(rest: FlinkRest, job_id: str) -> bool:
+    vertices = rest.job(job_id).get("vertices", [])
+    return bool(vertices) and all(v.get("status") == "RUNNING" for v in vertices)
+
+
+@pytest.fixture(scope="module")
+def idle_job(kafka: ServiceState, flink: ServiceState, tmp_path_factory: pytest.TempPathFactory) -> Iterator[IdleJob]:
+    out = tmp_path_factory.mktemp("idle-sessions")
+    bootstrap = kafka.info["bootstrap"]
+    topic = f"idle-{uuid.uuid4().hex[:8]}"
+    create_topic(bootstrap, topic, 3)
+    job_name = f"idle-{uuid.uuid4().hex[:8]}"
+    state_path = Path(flink.info["conf_dir"]).parent / "state.json"
+    argv = [str(state_path), bootstrap, topic, str(out), job_name, str(GAP_S), str(LATENESS_S), str(IDLE_MS)]
+    with open(out / "submit.log", "wb") as log:
+        code = subprocess.run(
+            [sys.executable, "-m", "tests.flink.idle_sessions_job", *argv],
+            cwd=project_root(), stdout=log, stderr=subprocess.STDOUT, timeout=600, check=False,
+        ).returncode  # fmt: skip
+    assert code == 0, (out / "submit.log").read_text()[-3000:]
+    rest = FlinkRest(flink.info["rest_url"])
+    job_id = next(j.job_id for j in rest.jobs() if j.name == job_name)
+    job = IdleJob(rest, job_id, out, bootstrap, topic)
+    try:
+        deadline = time.monotonic() + 300  # Flink says RUNNING before every task has a slot and runs
+        while not _all_tasks_running(rest, job_id):
+            assert time.monotonic() < deadline, job.diagnosis()
+            time.sleep(1)
+        rest.wait_for_checkpoints(job_id, 1, timeout=300)
+        yield job
+    finally:
+        rest.cancel(job_id)
+
+
+def _produce_burst(job: IdleJob, user: str) -> int:
+    """One user's clicks on partitions 0 and 1, stamped over the last second of wall time (never before the previous
+    burst: the caller paces bursts a second apart, so no record of the flowing partitions is late)."""
+    now = int(time.time() * 1000)
+    records = [
+        (user.encode(), b"click", {"partition": i % 2, "timestamp_ms": now - 900 + 100 * i}) for i in range(BURST)
+    ]
+    produce(job.bootstrap, job.topic, records)
+    return now
+
+
+def _complete(panes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [p for p in panes if p["timing"] == "ON_TIME" and p["count"] == BURST]
+
+
+def test_sessions_fire_while_a_partition_is_silent_only_with_idleness_and_late_records_are_handled(
+    idle_job: IdleJob,
+) -> None:
+    job = idle_job
+    # Live traffic on partitions 0 and 1 until three sessions have fired with idleness (or a generous limit).
+    deadline = time.monotonic() + 300
+    users = 0
+    while len(_complete(job.panes("idle"))) < 3:
+        assert time.monotonic() < deadline, f"{users} users sent, panes {job.panes('idle')}\n{job.diagnosis()}"
+        _produce_burst(job, f"user-{users}")
+        users += 1
+        time.sleep(1.0)  # paces the live traffic (a burst a second); the loop's exit is decided by the panes
+    fired = _complete(job.panes("idle"))
+    assert job.rest.job_state(job.job_id) == "RUNNING"  # fired while the job runs, not at its end
+    assert all(p["pane"] == 0 for p in fired)
+    # Without idleness, in the same time, the silent partition held every session back.
+    assert job.panes("no_idle") == [], job.diagnosis()
+
+    # Late records on the silent partition: first one far beyond the allowed lateness, then one inside a session
+    # that fired (within the lateness). The idle read published partition 2's watermark at about now, so both are
+    # late there; the other read (no idleness) saw nothing on it yet, so neither is late there.
+    newest = max(fired, key=lambda p: p["end_ms"])
+    ancient_ms = int(time.time() * 1000) - 600_000
+    produce(
+        job.bootstrap,
+        job.topic,
+        [
+            (b"ancient", b"click", {"partition": 2, "timestamp_ms": ancient_ms}),
+            (newest["key"].encode(), b"click", {"partition": 2, "timestamp_ms": newest["start_ms"] + 500}),
+        ],
+    )
+    late_pane: list[dict[str, Any]] = []
+    deadline = time.monotonic() + 240
+    while not late_pane:
+        assert time.monotonic() < deadline, f"no late pane for {newest}: {job.panes('idle')}\n{job.diagnosis()}"
+        _produce_burst(job, f"user-{users}")  # the flowing partitions keep event time moving
+        users += 1
+        time.sleep(1.0)
+        late_pane = [p for p in job.panes("idle") if p["key"] == newest["key"] and p["timing"] == "LATE"]
+    assert late_pane[0]["count"] == BURST + 1, late_pane  # accumulating: the fired session plus the late click
+    assert (late_pane[0]["start_ms"], late_pane[0]["end_ms"]) == (newest["start_ms"], newest["end_ms"])
+    assert not [p for p in job.panes("idle") if p["key"] == "ancient"], "a record beyond the lateness was aggregated"
+
+    deadline = time.monotonic() + 120  # Beam counters reach Flink when bundles finish
+    metrics, _ = beam_metrics(job.rest, job.job_id)
+    while metrics.get("beamflow_kafka_late_records", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(2)
+        metrics, _ = beam_metrics(job.rest, job.job_id)
+    assert metrics.get("beamflow_kafka_late_records") == 2, metrics
+    assert job.rest.job_state(job.job_id) == "RUNNING"
