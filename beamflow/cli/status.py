@@ -135,8 +135,8 @@ def checkpoint_summary(rest: FlinkRest, job_id: str) -> dict[str, Any]:
     return out
 
 
-def kafka_lag(config: Mapping[str, Any]) -> dict[int, int]:
-    """End offset minus the group's committed offset per partition (the whole partition when nothing is committed)."""
+def group_positions(config: Mapping[str, Any]) -> dict[int, tuple[int, int, int]]:
+    """Per partition of the job's topic: (earliest offset, end offset, the group's committed offset or -1)."""
     from confluent_kafka import Consumer, TopicPartition
 
     kafka = config["kafka"]
@@ -147,14 +147,19 @@ def kafka_lag(config: Mapping[str, Any]) -> dict[int, int]:
         metadata = consumer.list_topics(kafka["topic"], timeout=10).topics[kafka["topic"]]
         parts = [TopicPartition(kafka["topic"], p) for p in sorted(metadata.partitions)]
         committed = {tp.partition: tp.offset for tp in consumer.committed(parts, timeout=10)}
-        lag: dict[int, int] = {}
+        positions: dict[int, tuple[int, int, int]] = {}
         for tp in parts:
             low, high = consumer.get_watermark_offsets(tp, timeout=10)
             position = committed.get(tp.partition, -1)
-            lag[tp.partition] = high - (position if position >= 0 else low)
-        return lag
+            positions[tp.partition] = (low, high, position if position >= 0 else -1)
+        return positions
     finally:
         consumer.close()
+
+
+def kafka_lag(config: Mapping[str, Any]) -> dict[int, int]:
+    """End offset minus the group's committed offset per partition (the whole partition when nothing is committed)."""
+    return {p: high - (pos if pos >= 0 else low) for p, (low, high, pos) in group_positions(config).items()}
 
 
 def iceberg_commits(config: Mapping[str, Any], last: int = 3) -> list[dict[str, Any]]:
@@ -226,23 +231,8 @@ def sink_totals(config: Mapping[str, Any]) -> dict[str, int]:
 
 
 def _committed_records(config: Mapping[str, Any]) -> int:
-    from confluent_kafka import Consumer, TopicPartition
-
-    kafka = config["kafka"]
-    consumer = Consumer(
-        {"bootstrap.servers": kafka["bootstrap"], "group.id": kafka["group_id"], "enable.auto.commit": False}
-    )
-    try:
-        metadata = consumer.list_topics(kafka["topic"], timeout=10).topics[kafka["topic"]]
-        parts = [TopicPartition(kafka["topic"], p) for p in sorted(metadata.partitions)]
-        total = 0
-        for tp in consumer.committed(parts, timeout=10):
-            if tp.offset >= 0:
-                low, _ = consumer.get_watermark_offsets(tp, timeout=10)
-                total += tp.offset - low
-        return total
-    finally:
-        consumer.close()
+    """Committed minus earliest offset, summed over the partitions the group has committed."""
+    return sum(pos - low for low, _, pos in group_positions(config).values() if pos >= 0)
 
 
 def find_job(rest: FlinkRest, wanted: str | None) -> str:
