@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from transforms.write_dead_letters import WriteDeadLetters
     from transforms.write_sessions import WriteSessions
     from transforms.write_to_iceberg import WriteToIceberg
+    from transforms.write_to_kafka import WriteToKafka
     from transforms.write_to_postgres import WriteToPostgres
     from transforms.write_versioned_cells import WriteVersionedCells
 
@@ -51,6 +52,7 @@ _EXPORTS: dict[str, str] = {
     "WriteDeadLetters": "write_dead_letters",
     "WriteSessions": "write_sessions",
     "WriteToIceberg": "write_to_iceberg",
+    "WriteToKafka": "write_to_kafka",
     "WriteToPostgres": "write_to_postgres",
     "WriteVersionedCells": "write_versioned_cells",
 }
@@ -80,6 +82,7 @@ __all__ = [
     "WriteDeadLetters",
     "WriteSessions",
     "WriteToIceberg",
+    "WriteToKafka",
     "WriteToPostgres",
     "WriteVersionedCells",
     "late_dropped",

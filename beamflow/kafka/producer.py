@@ -1,0 +1,743 @@
+"""Writing records to Kafka at-least-once (idempotent producer) or exactly-once (transactions fenced through a
+PostgreSQL ledger). No Beam.
+
+Exactly-once, and why this design (the research note ``kafka-sink-and-enrichment.md`` has the sources):
+
+- librdkafka cannot resume or commit a prepared transaction from another producer instance (``init_transactions`` on
+  the same ``transactional.id`` *aborts* it), so Flink's design (pre-commit at the barrier, commit after the
+  checkpoint) would lose a prepared transaction whose process died; and Beam's Flink runner finalizes bundles from an
+  in-memory list, also bundles that ran after the barrier. No transaction may outlive the call that began it.
+- Beam Java's design (sequence numbers per shard, a marker committed with the transaction) needs stable input: a
+  replay must carry the same sequence numbers. Beam Python 2.62 cannot ask for stable input, so a replayed bundle may
+  hold a different set of records in a different order.
+
+So each call of ``ExactlyOnceShardWriter.write`` is one transaction of one shard, committed before it returns, and a
+replay is recognised by the records' **ids** (deterministic per result), kept in a PostgreSQL ledger:
+
+1. PostgreSQL (one transaction, the shard's row locked): resolve a pending attempt left by a crash (below); drop the
+   records whose ids the ledger already holds; record the new ids under attempt ``n + 1``; mark the shard pending.
+2. Kafka: ``begin_transaction``, produce, ``send_offsets_to_transaction`` with the marker ``{attempt: n + 1}`` on
+   ``TopicPartition(topic, shard)`` of the sink's group (atomically with the records), ``commit_transaction``.
+3. PostgreSQL: clear the pending mark of attempt ``n + 1`` and record it as the shard's last committed attempt.
+
+A pending attempt ``n`` found in step 1 is decided by the Kafka marker ``m`` (read with ``require_stable``, so a
+commit in progress is waited for): ``m >= n`` means attempt ``n`` committed (keep its ids). Otherwise it is declared
+aborted (its ids are forgotten; the runner replays its records) only after this writer has committed a *probe*
+transaction (the marker rewritten unchanged): a commit under this producer's epoch proves that every older producer
+of the shard's ``transactional.id`` is fenced, so attempt ``n`` can no longer commit; and a newer producer would have
+fenced the probe, which then fails (``ShardFenced``) and nothing is decided. (Deciding on "this writer has just run
+``init_transactions``" alone is not enough: with two live writers, the other one may have initialised later, hold the
+newer epoch, and commit attempt ``n`` after the marker was read.)
+
+The three hard moments: a crash mid-transaction leaves the shard pending and the transaction open; the next writer's
+``init_transactions`` aborts it, the marker says "not committed", the ids are forgotten and the replay writes the
+records. A crash after the commit (before the checkpoint, or before step 3) leaves ids the ledger keeps: the replay
+skips them. A commit after the checkpoint does not exist here: every transaction commits inside its bundle.
+
+Refused, because they cannot be made safe: a shard number >= the topic's partition count (the marker lives on the
+partition numbered like the shard; Kafka refuses an offset commit for a partition that does not exist); a sink group
+already used for another topic (its transactional ids and markers would be shared); a marker older than the last
+attempt the ledger knows committed (the sink group's offsets expired, ``offsets.retention.minutes``, or were reset:
+a pending attempt could no longer be decided); a marker newer than the ledger (the ledger was dropped or is another
+one); producer settings that break the guarantee (``transactional.id``, ``enable.idempotence=false``, ``acks`` other
+than ``all``).
+
+Zombies: a second instance of a shard's writer bumps the producer epoch, so the first one's next Kafka call fails
+(``ShardFenced``), and a writer that finds the shard's attempt moved by another writer refuses that write
+(``ShardFenced``). Either way the fenced writer drops its producer: a retry of its bundle starts over with
+``init_transactions`` (fencing the other in turn) instead of failing forever.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from beamflow.deadletter import DeadLetter
+
+__all__ = [
+    "DEFAULT_PRODUCER_CONFIG",
+    "AtLeastOnceWriter",
+    "ExactlyOnceShardWriter",
+    "KafkaWriteError",
+    "ProducerRecord",
+    "ShardFenced",
+    "ShardLedger",
+    "build_producer_config",
+    "check_producer_config",
+    "fetch_size_limit",
+    "record_size",
+    "shard_of",
+    "topic_partition_count",
+]
+
+log = logging.getLogger(__name__)
+
+# Seed 002's producer settings: 128 KB batches, 50-100 ms linger, lz4. Every one can be overridden.
+DEFAULT_PRODUCER_CONFIG: dict[str, Any] = {
+    "batch.size": 128 * 1024,
+    "linger.ms": 75,
+    "compression.type": "lz4",
+    "acks": "all",
+    "enable.idempotence": True,
+}
+# What both modes' guarantees rest on: set here, and refused (not silently replaced) when producer_config differs.
+_FIXED = {"acks": "all", "enable.idempotence": True}
+# Bytes a record costs beyond key, value and headers in a v2 record batch (varints, attributes, the batch header when
+# it travels alone): kept conservative so a record judged to fit does fit.
+_RECORD_OVERHEAD = 128
+
+
+class KafkaWriteError(RuntimeError):
+    """Kafka did not take the records (delivery errors, an aborted or fenced transaction): the bundle must fail."""
+
+
+class ShardFenced(KafkaWriteError):
+    """Another writer instance took over this shard (this one is a zombie, or was until its retry)."""
+
+
+def check_producer_config(config: dict[str, Any], exactly_once: bool) -> None:
+    """Raises ValueError (one line, saying why) for producer settings under which the mode's guarantee cannot hold."""
+    if "transactional.id" in config:
+        raise ValueError(
+            "producer_config sets transactional.id: the sink derives it from sink_group and shard "
+            "(a random or shared id would leave zombies unfenced)"
+        )
+    if str(config.get("enable.idempotence", True)).lower() not in ("true", "1"):
+        raise ValueError("producer_config disables enable.idempotence: retries inside the producer would duplicate")
+    if str(config.get("acks", "all")).lower() not in ("all", "-1"):
+        raise ValueError(f"producer_config sets acks={config['acks']}: a record acked by one replica may be lost")
+    if exactly_once and "isolation.level" in config:
+        raise ValueError("producer_config sets isolation.level, a consumer setting: readers set read_committed")
+
+
+@dataclass(frozen=True)
+class ProducerRecord:
+    """One record to write. ``record_id`` identifies the result across replays (exactly-once skips ids already
+    written); None means a digest of key, value and headers, so identical results count as one."""
+
+    value: bytes | None
+    key: bytes | None = None
+    headers: tuple[tuple[str, bytes], ...] = ()
+    record_id: str | None = None
+    timestamp_ms: int | None = None
+
+    def identity(self) -> str:
+        if self.record_id is not None:
+            return self.record_id
+        digest = hashlib.blake2b(digest_size=16)
+        for part in (self.key, self.value):
+            digest.update(b"\x00" if part is None else b"\x01" + len(part).to_bytes(8, "big") + part)
+        for name, value in self.headers:
+            digest.update(name.encode() + b"\x00" + len(value).to_bytes(8, "big") + value)
+        return digest.hexdigest()
+
+
+def record_size(record: ProducerRecord) -> int:
+    headers = sum(len(k) + len(v) + 8 for k, v in record.headers)
+    return len(record.key or b"") + len(record.value or b"") + headers + _RECORD_OVERHEAD
+
+
+def shard_of(record: ProducerRecord, shards: int) -> int:
+    """The shard of a record: by key (so one key's records stay in order in one shard), else by its id."""
+    basis = record.key if record.key is not None else record.identity().encode()
+    return int.from_bytes(hashlib.blake2b(basis, digest_size=8).digest(), "big") % shards
+
+
+def topic_max_message_bytes(bootstrap: str, topic: str, timeout_s: float = 30.0) -> int:
+    """The topic's ``max.message.bytes`` (the broker's limit for a record batch); raises for a missing topic."""
+    from confluent_kafka.admin import AdminClient, ConfigResource
+
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    futures = admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, topic)])
+    for future in futures.values():
+        try:
+            return int(future.result(timeout_s)["max.message.bytes"].value)
+        except Exception as exc:
+            raise KafkaWriteError(f"topic {topic}: cannot read its configuration ({exc})") from exc
+    raise KafkaWriteError(f"no configuration for topic {topic}")
+
+
+def topic_partition_count(bootstrap: str, topic: str, timeout_s: float = 30.0) -> int:
+    """How many partitions ``topic`` has; raises KafkaWriteError if it does not exist."""
+    from confluent_kafka.admin import AdminClient
+
+    metadata = AdminClient({"bootstrap.servers": bootstrap}).list_topics(topic, timeout=timeout_s)
+    found = metadata.topics.get(topic)
+    if found is None or found.error is not None or not found.partitions:
+        raise KafkaWriteError(f"topic {topic} does not exist ({found.error if found else 'no metadata'})")
+    return len(found.partitions)
+
+
+@dataclass
+class WriterStats:
+    written: int = 0
+    skipped_replays: int = 0
+    transactions: int = 0
+    dead_letters: int = 0
+    recovered_committed: int = 0
+    recovered_aborted: int = 0
+    fenced: int = 0
+
+
+@dataclass
+class SizeLimit:
+    """Records larger than ``max_bytes`` (about: see ``record_size``) go to dead letters instead of Kafka."""
+
+    max_bytes: int
+    stage: str
+
+    def split(self, records: Iterable[ProducerRecord]) -> tuple[list[ProducerRecord], list[DeadLetter]]:
+        fit: list[ProducerRecord] = []
+        dead: list[DeadLetter] = []
+        for record in records:
+            size = record_size(record)
+            if size > self.max_bytes:
+                dead.append(self.too_large(record, f"record of about {size} bytes exceeds {self.max_bytes}"))
+            else:
+                fit.append(record)
+        return fit, dead
+
+    def too_large(self, record: ProducerRecord, why: str) -> DeadLetter:
+        return DeadLetter(
+            record.value or b"",
+            self.stage,
+            f"too large for the broker: {why}",
+            key=record.key,
+            error="MSG_SIZE_TOO_LARGE",
+            attributes=(("record_id", record.identity()),),
+        )
+
+
+def build_producer_config(bootstrap: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    """Seed 002's defaults, then ``overrides``, then what the guarantees rest on (already checked to agree)."""
+    return {"bootstrap.servers": bootstrap, **DEFAULT_PRODUCER_CONFIG, **overrides, **_FIXED}
+
+
+def fetch_size_limit(bootstrap: str, topic: str, config: dict[str, Any], stage: str) -> SizeLimit:
+    """The smaller of the client's ``message.max.bytes`` and the topic's ``max.message.bytes``."""
+    client_limit = int(config.get("message.max.bytes", 1_000_000))
+    return SizeLimit(min(client_limit, topic_max_message_bytes(bootstrap, topic)), stage)
+
+
+class AtLeastOnceWriter:
+    """The idempotent producer: no duplicates from the producer's own retries; a replayed bundle writes again.
+
+    ``add`` produces (records too large come back as dead letters); ``flush`` waits until every record is acked and
+    raises ``KafkaWriteError`` on any delivery error, so the bundle fails and the runner retries it.
+    """
+
+    def __init__(
+        self,
+        bootstrap: str,
+        topic: str,
+        producer_config: dict[str, Any] | None = None,
+        flush_timeout_s: float = 120.0,
+        stage: str = "write_to_kafka",
+    ) -> None:
+        from confluent_kafka import Producer
+
+        overrides = dict(producer_config or {})
+        check_producer_config(overrides, exactly_once=False)
+        self.topic = topic
+        config = build_producer_config(bootstrap, overrides)
+        self.limit = fetch_size_limit(bootstrap, topic, config, stage)
+        self.flush_timeout_s = flush_timeout_s
+        self.stats = WriterStats()
+        self._errors: list[str] = []
+        self._pending = 0
+        self._producer = Producer(config)
+
+    def _delivered(self, err: Any, _msg: Any) -> None:
+        if err is not None:
+            self._errors.append(str(err))
+        else:
+            self.stats.written += 1
+
+    def add(self, record: ProducerRecord) -> list[DeadLetter]:
+        fit, dead = self.limit.split((record,))
+        if dead:
+            self.stats.dead_letters += 1
+            return dead
+        try:
+            _produce(self._producer, self.topic, fit[0], self._delivered)
+        except _TooLarge as exc:
+            self.stats.dead_letters += 1
+            return [self.limit.too_large(record, str(exc))]
+        self._pending += 1
+        return []
+
+    def flush(self) -> int:
+        """Waits for every ack; returns how many records this flush covered."""
+        remaining = self._producer.flush(self.flush_timeout_s)
+        count, self._pending = self._pending, 0
+        if remaining or self._errors:
+            errors, self._errors = self._errors, []
+            raise KafkaWriteError(
+                f"topic {self.topic}: {remaining} records not acked after {self.flush_timeout_s:.0f}s, "
+                f"{len(errors)} delivery errors: {errors[:3]}"
+            )
+        return count
+
+    def close(self) -> None:
+        # Records still queued belong to a bundle that did not finish (flush raised or never ran): the runner
+        # replays them, so they are dropped rather than waited for.
+        with contextlib.suppress(Exception):
+            self._producer.purge()
+        self._producer.close()
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def _produce(producer: Any, topic: str, record: ProducerRecord, on_delivery: Callable[[Any, Any], None]) -> None:
+    from confluent_kafka import KafkaError, KafkaException
+
+    kwargs: dict[str, Any] = {"key": record.key, "value": record.value, "on_delivery": on_delivery}
+    if record.headers:
+        kwargs["headers"] = list(record.headers)
+    if record.timestamp_ms is not None:
+        kwargs["timestamp"] = record.timestamp_ms
+    while True:
+        try:
+            producer.produce(topic, **kwargs)
+            return
+        except BufferError:  # the local queue is full: let deliveries drain
+            producer.poll(0.1)
+        except KafkaException as exc:
+            if exc.args and exc.args[0].code() == KafkaError.MSG_SIZE_TOO_LARGE:
+                raise _TooLarge(exc.args[0].str()) from exc
+            raise
+
+
+class ShardLedger:
+    """The PostgreSQL side of exactly-once: which record ids each sink group has written, and each shard's attempt.
+
+    Tables ``<table>`` (sink_group, record_id) -> (shard, attempt, written_at) and ``<table>_shards`` (sink_group,
+    shard) -> (topic, attempt, pending, committed). Ids older than ``retention_s`` are pruned (at most every
+    ``prune_every_s`` per writer): a record replayed after that long is written again, so keep it longer than the
+    longest outage plus the job's replay window (the source's offset lag at a restore).
+    """
+
+    def __init__(self, dsn: str, table: str, retention_s: float = 7 * 86400, prune_every_s: float = 600.0) -> None:
+        from beamflow.postgres.table import validate_identifier
+        from beamflow.postgres.writer import open_pool
+
+        validate_identifier(table, "ledger table")
+        validate_identifier(f"{table}_shards", "ledger table (with its _shards suffix)")
+        if retention_s <= 0:
+            raise ValueError("ledger retention must be positive: replays are recognised only while ids are kept")
+        self.table = table
+        self.retention_s = retention_s
+        self.prune_every_s = prune_every_s
+        self.pool = open_pool(dsn, max_size=2)
+        self._created = False
+
+    def create(self) -> None:
+        if self._created:
+            return
+        with self.pool.connection() as conn, conn.transaction():
+            # Concurrent CREATE TABLE IF NOT EXISTS can fail on the catalog's unique index: one creator at a time.
+            conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"beamflow-ledger:{self.table}",))
+            conn.execute(
+                f"CREATE TABLE IF NOT EXISTS {self.table} (sink_group text NOT NULL, record_id text NOT NULL, "
+                "shard integer NOT NULL, attempt bigint NOT NULL, written_at timestamptz NOT NULL DEFAULT now(), "
+                "PRIMARY KEY (sink_group, record_id))"
+            )
+            # Forgetting an aborted attempt deletes by (group, shard, attempt); pruning by (group, written_at).
+            conn.execute(
+                f"CREATE INDEX IF NOT EXISTS {self.table}_attempt ON {self.table} (sink_group, shard, attempt)"
+            )
+            conn.execute(f"CREATE INDEX IF NOT EXISTS {self.table}_age ON {self.table} (sink_group, written_at)")
+            conn.execute(
+                f"CREATE TABLE IF NOT EXISTS {self.table}_shards (sink_group text NOT NULL, shard integer NOT NULL, "
+                "topic text NOT NULL, attempt bigint NOT NULL, pending boolean NOT NULL, committed bigint NOT NULL, "
+                "PRIMARY KEY (sink_group, shard))"
+            )
+        self._created = True
+
+    def prune(self, sink_group: str) -> int:
+        """Deletes the group's ids older than the retention; returns how many. One pruner per group at a time (the
+        others skip: concurrent deletes of the same rows could deadlock), never an id of a pending attempt."""
+        with self.pool.connection() as conn, conn.transaction():
+            got = conn.execute(
+                "SELECT pg_try_advisory_xact_lock(hashtext(%s))", (f"beamflow-prune:{self.table}:{sink_group}",)
+            ).fetchone()
+            if not got or not got[0]:
+                return 0
+            cursor = conn.execute(
+                f"DELETE FROM {self.table} AS r WHERE r.sink_group = %s "
+                "AND r.written_at < now() - make_interval(secs => %s) "
+                f"AND NOT EXISTS (SELECT 1 FROM {self.table}_shards s WHERE s.sink_group = r.sink_group "
+                "AND s.shard = r.shard AND s.pending AND s.attempt = r.attempt)",
+                (sink_group, float(self.retention_s)),
+            )
+            return cursor.rowcount
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+@dataclass
+class _Claim:
+    attempt: int
+    new: list[ProducerRecord] = field(default_factory=list)
+    skipped: int = 0
+
+
+def _is_fenced(error: Any) -> bool:
+    """A newer producer of the same transactional id exists (this one can never write again)."""
+    from confluent_kafka import KafkaError
+
+    fenced = (KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH)
+    return error is not None and error.code() in fenced
+
+
+class ExactlyOnceShardWriter:
+    """Writes batches of one shard's records in Kafka transactions, skipping ids already written (module docstring).
+
+    ``write(records)`` returns (records written, dead letters); it raises ``KafkaWriteError`` (or ``ShardFenced``)
+    when nothing may be assumed written: the caller's bundle must fail and be retried. One writer per shard per
+    process; calls must not overlap (the caller serialises them).
+    """
+
+    def __init__(
+        self,
+        bootstrap: str,
+        topic: str,
+        sink_group: str,
+        shard: int,
+        ledger: ShardLedger,
+        producer_config: dict[str, Any] | None = None,
+        timeout_s: float = 60.0,
+        stage: str = "write_to_kafka",
+        size_limit: SizeLimit | None = None,
+        partitions: int | None = None,
+    ) -> None:
+        overrides = dict(producer_config or {})
+        check_producer_config(overrides, exactly_once=True)
+        partitions = partitions if partitions is not None else topic_partition_count(bootstrap, topic)
+        if not 0 <= shard < partitions:
+            raise ValueError(
+                f"shard {shard} needs partition {shard} of topic {topic}, which has {partitions}: shards must be "
+                "<= the topic's partitions (each shard's commit marker is an offset on its own partition)"
+            )
+        self.bootstrap = bootstrap
+        self.topic = topic
+        self.sink_group = sink_group
+        self.shard = shard
+        self.ledger = ledger
+        self.transactional_id = f"{sink_group}-{shard}"
+        self.timeout_s = timeout_s
+        self.config = {**build_producer_config(bootstrap, overrides), "transactional.id": self.transactional_id}
+        self.config.setdefault("transaction.timeout.ms", 60_000)
+        self.limit = size_limit or fetch_size_limit(bootstrap, topic, self.config, stage)
+        self.stats = WriterStats()
+        self._producer: Any = None
+        self._marker_reader: Any = None
+        self._group_metadata: Any = None
+        self._last_attempt: int | None = None  # the shard's attempt as this writer last left it
+        self._checked = False  # the marker was compared with the ledger since this producer started
+        self._errors: list[str] = []
+        self._next_prune = 0.0
+
+    # ---- hooks for fault-injection tests (no-ops) -------------------------------------------------------------
+
+    def _phase(self, name: str) -> None:
+        """Called at each step of a write ("claimed", "produced", "committed", "done"); tests kill the process here."""
+
+    def _already_written(self, conn: Any, ids: list[str]) -> set[str]:
+        """The ids among ``ids`` that the ledger holds for this sink group (a test overrides it to break the sink)."""
+        rows = conn.execute(
+            f"SELECT record_id FROM {self.ledger.table} WHERE sink_group = %s AND record_id = ANY(%s)",
+            (self.sink_group, ids),
+        )
+        return {r[0] for r in rows}
+
+    # ---- the producer -----------------------------------------------------------------------------------------
+
+    def _ensure_producer(self) -> Any:
+        if self._producer is None:
+            from confluent_kafka import Consumer, KafkaException, Producer
+
+            producer = Producer(self.config)
+            try:
+                # Fences every older instance on this id and aborts (or waits for) its open transaction.
+                producer.init_transactions(self.timeout_s)
+            except KafkaException as exc:
+                producer.close()
+                raise KafkaWriteError(f"shard {self.shard}: init_transactions failed ({exc})") from exc
+            if self._marker_reader is None:
+                # Never subscribes: its group metadata (generation -1, no member id) is what Java's
+                # ConsumerGroupMetadata(groupId) gives, accepted by send_offsets_to_transaction (tested).
+                self._marker_reader = Consumer(
+                    {
+                        "bootstrap.servers": self.bootstrap,
+                        "group.id": self.sink_group,
+                        "enable.auto.commit": False,
+                        "isolation.level": "read_committed",  # committed() waits for a commit in progress
+                    }
+                )
+                self._group_metadata = self._marker_reader.consumer_group_metadata()
+            self._producer = producer
+            self._checked = False
+        return self._producer
+
+    def _drop_producer(self) -> None:
+        producer, self._producer = self._producer, None
+        if producer is not None:
+            with contextlib.suppress(Exception):  # a fenced producer may refuse; it is being thrown away
+                producer.purge()  # nothing queued may be waited for: whatever it held is replayed or aborted
+                producer.close()
+
+    def marker(self) -> int:
+        """The last attempt whose transaction committed (0: none), from the sink group's marker."""
+        from confluent_kafka import KafkaException, TopicPartition
+
+        try:
+            found = self._marker_reader.committed([TopicPartition(self.topic, self.shard)], timeout=self.timeout_s)
+        except KafkaException as exc:
+            raise KafkaWriteError(f"shard {self.shard}: cannot read the commit marker ({exc})") from exc
+        meta = found[0].metadata if found and found[0].offset >= 0 else None
+        if not meta:
+            return 0
+        parsed = json.loads(meta)
+        if parsed.get("sink_group") != self.sink_group or parsed.get("shard") != self.shard:
+            raise KafkaWriteError(f"shard {self.shard}: the marker belongs to another sink ({meta}); refusing")
+        return int(parsed["attempt"])
+
+    def _send_marker(self, attempt: int) -> None:
+        from confluent_kafka import TopicPartition
+
+        marker = json.dumps({"sink_group": self.sink_group, "shard": self.shard, "attempt": attempt})
+        self._producer.send_offsets_to_transaction(
+            [TopicPartition(self.topic, self.shard, attempt, metadata=marker)], self._group_metadata, self.timeout_s
+        )
+
+    def _probe(self, marker: int) -> None:
+        """Commits a transaction of the marker alone, unchanged: succeeds only under the newest producer epoch."""
+        from confluent_kafka import KafkaException
+
+        producer = self._producer
+        try:
+            producer.begin_transaction()
+            self._send_marker(marker)
+            producer.commit_transaction(self.timeout_s)
+        except KafkaException as exc:
+            error = exc.args[0] if exc.args else None
+            if _is_fenced(error):
+                raise ShardFenced(
+                    f"shard {self.shard}: fenced by a newer writer while deciding a pending attempt"
+                ) from exc
+            raise KafkaWriteError(f"shard {self.shard}: the fencing probe failed ({exc})") from exc
+
+    # ---- one write --------------------------------------------------------------------------------------------
+
+    def write(self, records: Sequence[ProducerRecord]) -> tuple[int, list[DeadLetter]]:
+        fit, dead = self.limit.split(records)
+        self.stats.dead_letters += len(dead)
+        if not fit:
+            return 0, dead
+        try:
+            self._ensure_producer()
+            claim = self._claim(fit)
+        except ShardFenced:
+            self._fenced()
+            raise
+        except Exception:
+            self._drop_producer()  # the next write starts with init_transactions and a fresh look at the marker
+            raise
+        self._phase("claimed")
+        self.stats.skipped_replays += claim.skipped
+        if not claim.new:
+            return 0, dead
+        try:
+            too_large = self._transaction(claim)
+        except ShardFenced:
+            self._fenced()
+            raise
+        except Exception:
+            self._drop_producer()
+            raise
+        self._phase("committed")
+        self._settle(claim.attempt, too_large)
+        self._phase("done")
+        self.stats.written += len(claim.new) - len(too_large)
+        self.stats.dead_letters += len(too_large)
+        if time.monotonic() >= self._next_prune:
+            self._next_prune = time.monotonic() + self.ledger.prune_every_s
+            self.ledger.prune(self.sink_group)
+        return len(claim.new) - len(too_large), dead + too_large
+
+    def _fenced(self) -> None:
+        # Not wedged: the bundle fails now; its retry starts over with init_transactions (which fences the other
+        # writer in turn) and the shard's current attempt.
+        self.stats.fenced += 1
+        self._drop_producer()
+        self._last_attempt = None
+
+    def _claim(self, records: list[ProducerRecord]) -> _Claim:
+        """Step 1 (see the module docstring), in one PostgreSQL transaction with the shard's row locked."""
+        ledger, table = self.ledger, self.ledger.table
+        ledger.create()
+        by_id: dict[str, ProducerRecord] = {}
+        for record in records:
+            by_id.setdefault(record.identity(), record)  # the same result twice in one batch is one result
+        duplicates_in_batch = len(records) - len(by_id)
+        with ledger.pool.connection() as conn, conn.transaction():
+            conn.execute(
+                f"INSERT INTO {table}_shards (sink_group, shard, topic, attempt, pending, committed) "
+                "VALUES (%s, %s, %s, 0, false, 0) ON CONFLICT DO NOTHING",
+                (self.sink_group, self.shard, self.topic),
+            )
+            row = conn.execute(
+                f"SELECT topic, attempt, pending, committed FROM {table}_shards "
+                "WHERE sink_group = %s AND shard = %s FOR UPDATE",
+                (self.sink_group, self.shard),
+            ).fetchone()
+            assert row is not None
+            topic, attempt, pending, committed = str(row[0]), int(row[1]), bool(row[2]), int(row[3])
+            if topic != self.topic:
+                raise ValueError(
+                    f"sink group {self.sink_group} writes topic {topic}, not {self.topic}: one sink group per sink "
+                    "(two topics would share transactional ids and commit markers)"
+                )
+            if self._last_attempt is not None and attempt != self._last_attempt:
+                raise ShardFenced(
+                    f"shard {self.shard} of sink group {self.sink_group} was taken over (attempt {attempt}, this "
+                    f"writer's last was {self._last_attempt}): this instance is a zombie"
+                )
+            if not self._checked:
+                marker = self.marker()
+                if marker > attempt:
+                    raise KafkaWriteError(
+                        f"shard {self.shard}: the Kafka marker is at attempt {marker} but ledger {table} only at "
+                        f"{attempt}: the ledger was dropped or is another one; refusing (replays would duplicate)"
+                    )
+                self._checked = True
+            if pending:
+                self._resolve(conn, attempt, committed)
+            ids = list(by_id)
+            seen = self._already_written(conn, ids)
+            new_ids = [i for i in ids if i not in seen]
+            claim = _Claim(attempt + 1 if new_ids else attempt, skipped=len(seen) + duplicates_in_batch)
+            if new_ids:
+                with conn.cursor().copy(f"COPY {table} (sink_group, record_id, shard, attempt) FROM STDIN") as copy:
+                    for record_id in new_ids:
+                        copy.write_row((self.sink_group, record_id, self.shard, claim.attempt))
+                claim.new = [by_id[i] for i in new_ids]
+                conn.execute(
+                    f"UPDATE {table}_shards SET attempt = %s, pending = true WHERE sink_group = %s AND shard = %s",
+                    (claim.attempt, self.sink_group, self.shard),
+                )
+        self._last_attempt = claim.attempt
+        return claim
+
+    def _resolve(self, conn: Any, attempt: int, committed: int) -> None:
+        """Decides the shard's pending ``attempt`` (left by a crash, a failed write or another writer)."""
+        table = self.ledger.table
+        marker = self.marker()
+        if marker >= attempt:
+            self.stats.recovered_committed += 1
+            log.info("shard %s: pending attempt %s had committed; its ids stay", self.shard, attempt)
+            conn.execute(
+                f"UPDATE {table}_shards SET pending = false, committed = %s WHERE sink_group = %s AND shard = %s",
+                (attempt, self.sink_group, self.shard),
+            )
+            return
+        if marker < committed:
+            raise KafkaWriteError(
+                f"shard {self.shard}: the Kafka marker says attempt {marker} but the ledger knows {committed} "
+                "committed: the sink group's offsets expired (offsets.retention.minutes) or were reset; refusing to "
+                f"decide pending attempt {attempt} (keep the offsets retention longer than any outage)"
+            )
+        self._probe(marker)  # from here on, attempt `attempt` cannot commit any more
+        self.stats.recovered_aborted += 1
+        log.info("shard %s: pending attempt %s was aborted; its ids are forgotten", self.shard, attempt)
+        conn.execute(
+            f"DELETE FROM {table} WHERE sink_group = %s AND shard = %s AND attempt = %s",
+            (self.sink_group, self.shard, attempt),
+        )
+        conn.execute(
+            f"UPDATE {table}_shards SET pending = false WHERE sink_group = %s AND shard = %s",
+            (self.sink_group, self.shard),
+        )
+
+    def _transaction(self, claim: _Claim) -> list[DeadLetter]:
+        """Step 2: the records and the marker in one Kafka transaction, committed before returning. Returns the dead
+        letters of records the producer itself refused as too large (the size estimate let them through)."""
+        from confluent_kafka import KafkaException
+
+        producer = self._producer
+        self._errors = []
+        too_large: list[DeadLetter] = []
+        try:
+            producer.begin_transaction()
+            for record in claim.new:
+                try:
+                    _produce(producer, self.topic, record, self._delivered)
+                except _TooLarge as exc:  # still the record's fault, not Kafka's
+                    too_large.append(self.limit.too_large(record, str(exc)))
+            self._phase("produced")
+            self._send_marker(claim.attempt)
+            producer.commit_transaction(self.timeout_s)
+        except KafkaException as exc:
+            error = exc.args[0] if exc.args else None
+            if _is_fenced(error):
+                raise ShardFenced(
+                    f"shard {self.shard}: fenced by a newer writer of {self.transactional_id}; attempt "
+                    f"{claim.attempt} is not written"
+                ) from exc
+            if error is not None and error.txn_requires_abort():
+                with contextlib.suppress(KafkaException):
+                    producer.abort_transaction(self.timeout_s)
+            raise KafkaWriteError(
+                f"shard {self.shard}: transaction of attempt {claim.attempt} failed ({exc}); "
+                f"delivery errors: {self._errors[:3]}"
+            ) from exc
+        if self._errors:  # commit_transaction fails on delivery errors; this is a second line of defence
+            raise KafkaWriteError(f"shard {self.shard}: delivery errors {self._errors[:3]}")
+        self.stats.transactions += 1
+        return [replace(d, error="MSG_SIZE_TOO_LARGE") for d in too_large]
+
+    def _delivered(self, err: Any, _msg: Any) -> None:
+        if err is not None:
+            self._errors.append(str(err))
+
+    def _settle(self, attempt: int, too_large: list[DeadLetter]) -> None:
+        """Step 3: the attempt committed; clear its pending mark (only if it is still the shard's attempt), and
+        forget the ids of records the producer refused (they went to dead letters, not Kafka)."""
+        table = self.ledger.table
+        with self.ledger.pool.connection() as conn, conn.transaction():
+            conn.execute(
+                f"UPDATE {table}_shards SET pending = false, committed = %s "
+                "WHERE sink_group = %s AND shard = %s AND attempt = %s",
+                (attempt, self.sink_group, self.shard, attempt),
+            )
+            if too_large:
+                ids = [dict(d.attributes)["record_id"] for d in too_large]
+                conn.execute(
+                    f"DELETE FROM {table} WHERE sink_group = %s AND record_id = ANY(%s)", (self.sink_group, ids)
+                )
+
+    def close(self) -> None:
+        self._drop_producer()
+        reader, self._marker_reader = self._marker_reader, None
+        if reader is not None:
+            reader.close()
+
+
+def wait_for(check: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.2)
+    return check()

@@ -1,0 +1,467 @@
+"""``WriteToKafka``: results to a Kafka topic, exactly-once (transactions + a PostgreSQL ledger) or at-least-once.
+
+Signature (kept simple and stable: ``pipelines/rides.py`` builds on it):
+
+    ``WriteToKafka(bootstrap, topic, *, mode="exactly-once" | "at-least-once",
+                 sink_group=None, ledger_dsn=None, ledger_table="kafka_sink_ledger", shards=None,
+                 producer_config=None, key_fn=None, value_fn=None, id_fn=None, batch_size=1000,
+                 max_buffering_s=1.0, ledger_retention_s=7 * 86400, timeout_s=60.0)``
+
+Elements are ``beamflow.kafka.producer.ProducerRecord`` or anything ``key_fn``/``value_fn`` turn into key and value
+(bytes or str). The engine is ``beamflow/kafka/producer.py`` (no Beam); its module docstring gives the design.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import apache_beam as beam
+from apache_beam.metrics import Metrics
+from apache_beam.pvalue import TaggedOutput
+from apache_beam.transforms.window import GlobalWindows
+from apache_beam.utils.timestamp import MAX_TIMESTAMP, MIN_TIMESTAMP
+
+from beamflow.deadletter import DeadLetter, encode_payload
+from beamflow.kafka.producer import (
+    AtLeastOnceWriter,
+    ExactlyOnceShardWriter,
+    ProducerRecord,
+    ShardLedger,
+    build_producer_config,
+    check_producer_config,
+    fetch_size_limit,
+    shard_of,
+    topic_partition_count,
+)
+from transforms.sink_base import DEAD_LETTERS, Declared, Guarantee, SinkFn, SinkResult, write_with
+
+__all__ = ["DEAD_LETTERS", "METRICS_NAMESPACE", "MODES", "ProducerRecord", "WriteToKafka", "close_shared_writers"]
+
+METRICS_NAMESPACE = "beamflow.kafka_sink"
+MODES = ("exactly-once", "at-least-once")
+_STAGE = "write_to_kafka"
+# Shorter than this, a replay after a restore (or a rerun of a failed bounded job) could come after its ids were
+# pruned and be written again.
+_MIN_RETENTION_S = 3600.0
+
+
+# ---- shared shard writers ----------------------------------------------------------------------------------------
+# One writer (one transactional producer) per shard per worker process, shared by every DoFn instance: the SDK
+# harness keeps a pool of bundle processors and may run one shard's batches on different instances in turn; two
+# producers of one transactional id would fence each other on every switch, failing bundles for nothing.
+
+_SHARED: dict[tuple[Any, ...], tuple[ExactlyOnceShardWriter, threading.Lock]] = {}
+_LEDGERS: dict[tuple[str, str, float], ShardLedger] = {}
+_USERS: dict[tuple[Any, ...], int] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def _ledger(dsn: str, table: str, retention_s: float) -> ShardLedger:
+    key = (dsn, table, retention_s)
+    with _SHARED_LOCK:
+        if key not in _LEDGERS:
+            _LEDGERS[key] = ShardLedger(dsn, table, retention_s)
+        return _LEDGERS[key]
+
+
+def close_shared_writers() -> None:
+    """Closes every shared writer and ledger of this process (tests and benchmarks; DoFn teardown does it too)."""
+    with _SHARED_LOCK:
+        writers = list(_SHARED.values())
+        ledgers = list(_LEDGERS.values())
+        _SHARED.clear()
+        _LEDGERS.clear()
+        _USERS.clear()
+    for writer, lock in writers:
+        with lock:
+            writer.close()
+    for ledger in ledgers:
+        ledger.close()
+
+
+# ---- elements -> records -------------------------------------------------------------------------------------------
+
+
+def _as_bytes(value: Any, what: str) -> bytes | None:
+    if value is None or isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return value.encode()
+    raise TypeError(f"{what} must be bytes, str or None, got {type(value).__name__}")
+
+
+class _ToRecord(beam.DoFn):
+    """Element -> ProducerRecord (with the element's event time as the record timestamp), else a dead letter."""
+
+    def __init__(
+        self,
+        key_fn: Callable[[Any], Any] | None,
+        value_fn: Callable[[Any], Any] | None,
+        id_fn: Callable[[Any], Any] | None,
+    ) -> None:
+        self._key_fn = key_fn
+        self._value_fn = value_fn
+        self._id_fn = id_fn
+
+    def process(self, element: Any, timestamp: Any = beam.DoFn.TimestampParam) -> Iterator[Any]:
+        try:
+            if isinstance(element, ProducerRecord) and self._key_fn is None and self._value_fn is None:
+                record = element
+            else:
+                key = _as_bytes(self._key_fn(element), "key_fn's result") if self._key_fn else None
+                value = _as_bytes(self._value_fn(element) if self._value_fn else element, "the value")
+                record = ProducerRecord(value, key)
+            if self._id_fn is not None:
+                record = ProducerRecord(record.value, record.key, record.headers, str(self._id_fn(element)))
+            if record.timestamp_ms is None and MIN_TIMESTAMP < timestamp < MAX_TIMESTAMP:
+                record = ProducerRecord(
+                    record.value, record.key, record.headers, record.record_id, timestamp.micros // 1000
+                )
+        except Exception as exc:  # the element's own fault: it cannot become a record
+            yield TaggedOutput(
+                DEAD_LETTERS,
+                DeadLetter(
+                    encode_payload(element), _STAGE, f"cannot make a Kafka record: {exc}", error=type(exc).__name__
+                ),
+            )
+            return
+        yield record
+
+
+class _Shard(beam.DoFn):
+    def __init__(self, shards: int) -> None:
+        self._shards = shards
+
+    def process(self, record: ProducerRecord) -> Iterator[tuple[int, ProducerRecord]]:
+        yield shard_of(record, self._shards), record
+
+
+# ---- the two sink DoFns ----------------------------------------------------------------------------------------
+
+
+class _TransactionalFn(SinkFn):
+    """Takes (shard, batch) from ``GroupIntoBatches``; each batch is one Kafka transaction of its shard, committed in
+    ``process`` (never in a finalizer), with the records' ids recorded in the ledger so a replay is skipped."""
+
+    GUARANTEE = Declared(
+        Guarantee.EXACTLY_ONCE,
+        "deterministic record ids (id_fn, else key+value+headers), one stable sink_group per sink, shards <= the "
+        "topic's partitions, readers with isolation.level=read_committed, replays within the ledger retention",
+    )
+    STAGE = _STAGE
+
+    def __init__(
+        self,
+        bootstrap: str,
+        topic: str,
+        sink_group: str,
+        ledger_dsn: str,
+        ledger_table: str,
+        shards: int,
+        producer_config: dict[str, Any],
+        retention_s: float,
+        timeout_s: float,
+    ) -> None:
+        super().__init__()
+        self._bootstrap = bootstrap
+        self._topic = topic
+        self._sink_group = sink_group
+        self._ledger_dsn = ledger_dsn
+        self._ledger_table = ledger_table
+        self._shards = shards
+        self._config = producer_config
+        self._retention_s = retention_s
+        self._timeout_s = timeout_s
+        self._written = Metrics.counter(METRICS_NAMESPACE, "records_written")
+        self._skipped = Metrics.counter(METRICS_NAMESPACE, "replays_skipped")
+        self._dead = Metrics.counter(METRICS_NAMESPACE, "dead_letters")
+        self._keys: set[tuple[Any, ...]] = set()
+
+    def open(self) -> None:
+        partitions = topic_partition_count(self._bootstrap, self._topic)
+        if self._shards > partitions:
+            raise ValueError(
+                f"WriteToKafka: shards={self._shards} but topic {self._topic} has {partitions} partitions: each "
+                "shard's commit marker is an offset on its own partition, so shards must be <= partitions"
+            )
+        self._partitions = partitions
+        config = build_producer_config(self._bootstrap, self._config)
+        self._limit = fetch_size_limit(self._bootstrap, self._topic, config, _STAGE)
+        self._ledger = _ledger(self._ledger_dsn, self._ledger_table, self._retention_s)
+
+    def _writer(self, shard: int) -> tuple[ExactlyOnceShardWriter, threading.Lock]:
+        key = (self._bootstrap, self._topic, self._sink_group, shard, self._ledger_dsn, self._ledger_table)
+        with _SHARED_LOCK:
+            found = _SHARED.get(key)
+            if found is None:
+                writer = ExactlyOnceShardWriter(
+                    self._bootstrap,
+                    self._topic,
+                    self._sink_group,
+                    shard,
+                    self._ledger,
+                    self._config,
+                    timeout_s=self._timeout_s,
+                    stage=_STAGE,
+                    size_limit=self._limit,
+                    partitions=self._partitions,
+                )
+                found = _SHARED[key] = (writer, threading.Lock())
+            if key not in self._keys:
+                self._keys.add(key)
+                _USERS[key] = _USERS.get(key, 0) + 1
+        return found
+
+    def add(self, element: tuple[int, Iterable[ProducerRecord]]) -> list[Any]:
+        shard, batch = element
+        writer, lock = self._writer(shard)
+        with lock:
+            before = writer.stats.skipped_replays
+            written, dead = writer.write(list(batch))
+            skipped = writer.stats.skipped_replays - before
+        self._written.inc(written)
+        self._skipped.inc(skipped)
+        self._dead.inc(len(dead))
+        report = {"topic": self._topic, "shard": shard, "rows_written": written, "replays_skipped": skipped}
+        return [*dead, report]
+
+    def flush(self) -> list[Any]:
+        return []  # every batch was committed in add: nothing is left open at the bundle's end
+
+    def close(self) -> None:
+        # The last DoFn instance of this process using a shard closes its writer.
+        closing = []
+        with _SHARED_LOCK:
+            for key in self._keys:
+                _USERS[key] = _USERS.get(key, 1) - 1
+                if _USERS[key] <= 0 and key in _SHARED:
+                    closing.append(_SHARED.pop(key))
+                    del _USERS[key]
+            self._keys.clear()
+        for writer, lock in closing:
+            with lock:
+                writer.close()
+
+
+class _IdempotentFn(SinkFn):
+    """Produces each record; ``flush`` (``finish_bundle``) waits for every ack and fails the bundle on any delivery
+    error, so nothing is dropped and the bundle's offsets are not committed before its records are durable."""
+
+    GUARANTEE = Declared(
+        Guarantee.AT_LEAST_ONCE,
+        "the idempotent producer (no duplicates from its own retries); a replayed bundle is written again",
+    )
+    STAGE = _STAGE
+
+    def __init__(self, bootstrap: str, topic: str, producer_config: dict[str, Any], timeout_s: float) -> None:
+        super().__init__()
+        self._bootstrap = bootstrap
+        self._topic = topic
+        self._config = producer_config
+        self._timeout_s = timeout_s
+        self._writer: AtLeastOnceWriter | None = None
+        self._written = Metrics.counter(METRICS_NAMESPACE, "records_written")
+        self._dead = Metrics.counter(METRICS_NAMESPACE, "dead_letters")
+
+    def open(self) -> None:
+        self._writer = AtLeastOnceWriter(self._bootstrap, self._topic, self._config, self._timeout_s, _STAGE)
+
+    def add(self, record: ProducerRecord) -> list[DeadLetter]:
+        assert self._writer is not None
+        dead = self._writer.add(record)
+        if dead:
+            self._dead.inc(len(dead))
+        return dead
+
+    def flush(self) -> list[Any]:
+        assert self._writer is not None
+        count = self._writer.flush()
+        self._written.inc(count)
+        return [{"topic": self._topic, "rows_written": count}] if count else []
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+
+# ---- the transform -----------------------------------------------------------------------------------------------
+
+
+class WriteToKafka(beam.PTransform):
+    """Writes records to ``topic``; returns a ``SinkResult``: a report per written batch (``{"topic", "rows_written",
+    ...}``) and the ``DeadLetter`` of every element refused (not encodable, or too large for the broker: reason
+    ``too large for the broker: ...``, error ``MSG_SIZE_TOO_LARGE``).
+
+    ::
+
+        import json
+        import apache_beam as beam
+        from confluent_kafka import Consumer, TopicPartition
+        from beamflow.kafka.admin import create_topic
+        from runners.direct import local_options
+        from transforms import WriteToKafka
+
+        bootstrap, dsn = "127.0.0.1:9092", "postgresql://postgres@127.0.0.1:5432/beamflow"
+        create_topic(bootstrap, "example-results", 2)
+        results = [{"user": "u1", "clicks": 3}, {"user": "u2", "clicks": 5}, {"user": "u3", "clicks": 1}]
+        for run in range(2):  # the second run is a replay: it writes nothing
+            with beam.Pipeline(options=local_options()) as p:
+                p | beam.Create(results) | WriteToKafka(
+                    bootstrap,
+                    "example-results",
+                    mode="exactly-once",
+                    sink_group="example-results-sink",
+                    ledger_dsn=dsn,
+                    shards=2,
+                    key_fn=lambda r: r["user"],
+                    value_fn=json.dumps,
+                    id_fn=lambda r: r["user"],  # one result per user
+                )
+        reader = Consumer({"bootstrap.servers": bootstrap, "group.id": "reader", "isolation.level": "read_committed"})
+        reader.assign([TopicPartition("example-results", p, 0) for p in range(2)])
+        seen = [m.key() for m in iter(lambda: reader.poll(5), None) if not m.error()]
+        reader.close()
+        assert sorted(seen) == [b"u1", b"u2", b"u3"], seen  # each result exactly once
+
+    ``mode="exactly-once"``: a consumer with ``isolation.level=read_committed`` sees each result (each record id)
+    exactly once, through crashes at any moment and replays of any bundle, on Flink and the local runner. Records
+    are sharded by a deterministic hash (of the key, else of the record id) into ``shards`` shards, batched per shard
+    (``GroupIntoBatches``: at most ``batch_size`` records, at most ``max_buffering_s`` waiting), and each batch is
+    one Kafka transaction of its shard's producer (``transactional.id = <sink_group>-<shard>``), committed in the
+    writer's ``process`` before the bundle ends, never in a bundle finalizer. Before producing, the batch's record
+    ids are checked against and recorded in a PostgreSQL ledger (``ledger_table``): ids already there are replays and
+    skipped. A crash between the ledger and the Kafka commit leaves the attempt pending; the next writer decides it
+    from a marker committed atomically with the transaction (the sink group's offset on ``TopicPartition(topic,
+    shard)``). Zombie writers are fenced by the producer epoch. Why not a transaction per checkpoint (Flink's
+    ``KafkaSink``) or committing in a bundle finalizer: librdkafka cannot commit a prepared transaction from another
+    producer instance, and Beam's Flink runner finalizes bundles from an in-memory list, so a crash after a
+    checkpoint would lose the prepared transaction, or a finalizer would commit a bundle the checkpoint does not
+    cover; and Beam Python 2.62 cannot request stable input, so Beam Java's sequence numbers would not replay
+    identically. Record ids make the replay's order and batching irrelevant.
+
+    It needs (and refuses, with a one-line ``ValueError``, what it can detect): a ``sink_group`` unique to this sink
+    and stable across restarts (it names the transactional ids, the markers and the ledger rows; a sink group already
+    used for another topic is refused); ``shards`` <= the topic's partitions (the marker of shard ``s`` is an offset
+    on partition ``s``, which must exist: refused when the writer opens); a ``ledger_dsn``; deterministic record ids
+    (``id_fn``, else a digest of key, value and headers, so two identical results count as one); replays within
+    ``ledger_retention_s`` (at least an hour: a result replayed after its id is pruned is written again) and group
+    offsets retained longer than any outage (``offsets.retention.minutes``: a pending attempt whose marker expired is
+    refused, not guessed); producer settings that keep the guarantee (``transactional.id``, ``acks`` other than
+    ``all`` and ``enable.idempotence=false`` are refused). On Flink, results wait in ``GroupIntoBatches`` state for
+    at most ``max_buffering_s``: restore jobs from their checkpoints or savepoints (as for every stateful stage);
+    keep the checkpoint interval above ``max_buffering_s`` so ``ReadFromKafka``'s offsets (committed one checkpoint
+    late) never run ahead of what was written. Readers see results after their transaction commits (about
+    ``max_buffering_s``).
+
+    ``mode="at-least-once"``: the idempotent producer (``acks=all``, no duplicates from its own retries); every
+    bundle waits in ``finish_bundle`` until its records are acked and fails otherwise, so nothing is dropped; a
+    retried or replayed bundle writes its records again. No shuffle, no ledger (``sink_group``, ``ledger_dsn`` and
+    ``shards`` are refused).
+
+    Both modes: seed 002's producer defaults (``batch.size`` 128 KB, ``linger.ms`` 75, ``lz4``), every one
+    overridable in ``producer_config``; a delivery error (broker down past ``message.timeout.ms``, a topic that does
+    not exist, not enough in-sync replicas) fails the bundle (the runner retries it; the local runner fails the
+    pipeline); a record larger than the smaller of the producer's ``message.max.bytes`` and the topic's
+    ``max.message.bytes`` goes to ``dead_letters``. Each record gets the element's event time as its timestamp.
+    Counters in the ``beamflow.kafka_sink`` metrics namespace: ``records_written``, ``replays_skipped``,
+    ``dead_letters``.
+    """
+
+    GUARANTEES = {"exactly_once": _TransactionalFn.GUARANTEE, "at_least_once": _IdempotentFn.GUARANTEE}
+
+    def __init__(
+        self,
+        bootstrap: str,
+        topic: str,
+        *,
+        mode: str = "exactly-once",
+        sink_group: str | None = None,
+        ledger_dsn: str | None = None,
+        ledger_table: str = "kafka_sink_ledger",
+        shards: int | None = None,
+        producer_config: dict[str, Any] | None = None,
+        key_fn: Callable[[Any], Any] | None = None,
+        value_fn: Callable[[Any], Any] | None = None,
+        id_fn: Callable[[Any], Any] | None = None,
+        batch_size: int = 1000,
+        max_buffering_s: float | None = 1.0,
+        ledger_retention_s: float = 7 * 86400,
+        timeout_s: float = 60.0,
+    ) -> None:
+        super().__init__()
+        if mode not in MODES:
+            raise ValueError(f"WriteToKafka mode must be one of {', '.join(MODES)}, not {mode!r}")
+        config = dict(producer_config or {})
+        check_producer_config(config, exactly_once=mode == "exactly-once")
+        if mode == "exactly-once":
+            if not sink_group or not ledger_dsn or not shards:
+                raise ValueError(
+                    "WriteToKafka exactly-once needs sink_group=, ledger_dsn= and shards= (the stable transactional "
+                    "ids, the ledger that recognises replays, and how many shard producers)"
+                )
+            if shards < 1:
+                raise ValueError(f"WriteToKafka: shards must be >= 1, not {shards}")
+            if ledger_retention_s < _MIN_RETENTION_S:
+                raise ValueError(
+                    f"WriteToKafka: ledger_retention_s={ledger_retention_s} is under {_MIN_RETENTION_S:.0f}: a replay "
+                    "after its ids are pruned would be written again"
+                )
+            if batch_size < 1 or (max_buffering_s is not None and max_buffering_s <= 0):
+                raise ValueError("WriteToKafka: batch_size must be >= 1 and max_buffering_s > 0 (or None)")
+        elif sink_group or ledger_dsn or shards:
+            raise ValueError(
+                "WriteToKafka at-least-once takes no sink_group, ledger_dsn or shards (they belong to exactly-once)"
+            )
+        self.bootstrap = bootstrap
+        self.topic = topic
+        self.mode = mode
+        self.sink_group = sink_group
+        self.ledger_dsn = ledger_dsn
+        self.ledger_table = ledger_table
+        self.shards = shards
+        self.producer_config = config
+        self.batch_size = batch_size
+        self.max_buffering_s = max_buffering_s
+        self.ledger_retention_s = ledger_retention_s
+        self.timeout_s = timeout_s
+        self._to_record = _ToRecord(key_fn, value_fn, id_fn)
+        if mode == "exactly-once":
+            from beamflow.postgres.table import validate_identifier
+
+            validate_identifier(ledger_table, "ledger table")  # here, not first on a worker
+
+    def expand(self, elements: beam.PCollection) -> SinkResult:
+        records = elements | "ToRecords" >> beam.ParDo(self._to_record).with_outputs(DEAD_LETTERS, main="records")
+        if self.mode == "at-least-once":
+            written = write_with(
+                records.records, _IdempotentFn(self.bootstrap, self.topic, self.producer_config, self.timeout_s)
+            )
+        else:
+            assert self.sink_group and self.ledger_dsn and self.shards
+            # One place per shard: GroupIntoBatches is keyed, so a shard's batches all come from the one worker that
+            # owns its key, and the writer (fused after it) commits each before the bundle ends. The global window
+            # first: batches are per window, and event-time windows would cut them into tiny transactions.
+            batches = (
+                records.records
+                | "Shard" >> beam.ParDo(_Shard(self.shards)).with_output_types(tuple[int, Any])
+                | "GlobalWindow" >> beam.WindowInto(GlobalWindows())
+                | "Batch" >> beam.GroupIntoBatches(self.batch_size, max_buffering_duration_secs=self.max_buffering_s)
+            )
+            written = write_with(
+                batches,
+                _TransactionalFn(
+                    self.bootstrap,
+                    self.topic,
+                    self.sink_group,
+                    self.ledger_dsn,
+                    self.ledger_table,
+                    self.shards,
+                    self.producer_config,
+                    self.ledger_retention_s,
+                    self.timeout_s,
+                ),
+            )
+        dead = (records[DEAD_LETTERS], written.dead_letters) | "DeadLetters" >> beam.Flatten()
+        return SinkResult(written=written.written, dead_letters=dead)
