@@ -1,7 +1,8 @@
 """Job configuration: a YAML file, overridden by ``--set section.key=value`` flags, read into frozen dataclasses.
 
 ``load_job_config(path, overrides)`` returns a ``JobConfig``: one frozen dataclass per section (``kafka``,
-``registry``, ``postgres``, ``iceberg``, ``dead_letters``, ``dedup``, ``sessions``, ``flink``, ``job``), whose field
+``registry``, ``postgres``, ``iceberg``, ``dead_letters``, ``dedup``, ``sessions``, ``lookups``, ``kafka_sink``,
+``cells``, ``flink``, ``job``), whose field
 defaults are the only defaults of the job's settings. A key that no section has is refused with its name and the
 nearest valid one (``kafka.partiton: unknown key; did you mean 'partitions'?``), and a value of the wrong type with
 the key and the type it needs, so a typo in a YAML file or a ``--set`` flag fails at load time instead of silently
@@ -30,6 +31,7 @@ import yaml
 
 __all__ = [
     "AUTO",
+    "CellsConfig",
     "ConfigError",
     "DeadLettersConfig",
     "DedupConfig",
@@ -39,6 +41,8 @@ __all__ = [
     "JobConfig",
     "JobSection",
     "KafkaConfig",
+    "KafkaSinkConfig",
+    "LookupConfig",
     "PostgresConfig",
     "RegistryConfig",
     "SessionsConfig",
@@ -134,6 +138,56 @@ class SessionsConfig:
 
 
 @dataclass(frozen=True)
+class LookupConfig:
+    """One dimension lookup (``transforms.Enrich`` over ``PostgresTableLookup``): a ``lookups:`` entry, by name.
+
+    The element's ``key_field`` is looked up in ``table``'s ``key_column`` (None: the same name) and the row's
+    ``columns`` are joined onto it. ``on_missing``: ``pass`` (the columns as None) or ``dead_letter``.
+    """
+
+    table: str
+    key_field: str
+    columns: tuple[str, ...]
+    key_column: str | None = None
+    on_missing: str = "pass"
+    max_batch_size: int = 500
+    max_in_flight: int = 4
+    cache_size: int = 100_000  # entries per worker; 0: no cache
+    cache_ttl_s: float = 300.0
+    missing_ttl_s: float = 30.0
+    timeout_s: float = 5.0  # per statement (server-side) and per connect
+
+
+@dataclass(frozen=True)
+class KafkaSinkConfig:
+    """Results written to a Kafka topic (``transforms.WriteToKafka``)."""
+
+    topic: str
+    bootstrap: str | None = None  # None: kafka.bootstrap (the cluster the job reads); auto: the local Kafka
+    partitions: int | None = None  # the topic's partition count where a job or its demo creates it
+    mode: str = "exactly-once"  # exactly-once | at-least-once
+    sink_group: str | None = None  # stable across restarts (the transactional ids and markers); None: <topic>-sink
+    ledger_table: str = "kafka_sink_ledger"  # exactly-once: the record ids written, in postgres.dsn
+    shards: int = 4  # exactly-once: transactional producers, one per shard
+    producer_config: dict[str, Any] = field(default_factory=dict)  # librdkafka settings over the sink's defaults
+
+    @property
+    def group(self) -> str:
+        return self.sink_group or f"{self.topic}-sink"
+
+
+@dataclass(frozen=True)
+class CellsConfig:
+    """Results written as versioned cells (``transforms.WriteVersionedCells``, buffered mutations)."""
+
+    table: str
+    salt_buckets: int | None = 16  # row keys prefixed with a stable bucket byte; None: unsalted
+    max_cells: int = 10_000
+    max_bytes: int = 8 * 1024 * 1024
+    max_seconds: float = 5.0
+
+
+@dataclass(frozen=True)
 class FlinkConfig:
     """The ``flink:`` section; ``runners/flink.py`` says where each key goes (job option or cluster config.yaml).
 
@@ -188,6 +242,9 @@ class JobConfig:
     dead_letters: DeadLettersConfig = field(default_factory=DeadLettersConfig)
     dedup: DedupConfig = field(default_factory=DedupConfig)
     sessions: SessionsConfig = field(default_factory=SessionsConfig)
+    lookups: dict[str, LookupConfig] = field(default_factory=dict)  # name -> lookup, applied in this order
+    kafka_sink: KafkaSinkConfig | None = None
+    cells: CellsConfig | None = None
     flink: FlinkConfig | None = None
 
     @classmethod
@@ -272,6 +329,10 @@ def _convert(hint: Any, value: Any, key: str) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
         raise ConfigError(f"{key} must be an integer, got {value!r}")
+    if hint is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key} must be a number, got {value!r}")
     if hint is str:
         if isinstance(value, str | int | float) and not isinstance(value, bool):
             return str(value)
@@ -284,6 +345,9 @@ def _convert(hint: Any, value: Any, key: str) -> Any:
     if origin is dict:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{key} must be a mapping, got {value!r}")
+        item = typing.get_args(hint)[1]
+        if dataclasses.is_dataclass(item):  # named sections of one kind (lookups): each checked as a section
+            return {str(k): _convert(item, v, f"{key}.{k}") for k, v in value.items()}
         return copy.deepcopy(dict(value))
     raise TypeError(f"{key}: no conversion for {hint!r}")  # a field type this module does not handle yet
 
@@ -351,6 +415,7 @@ def _auto_keys(config: Mapping[str, Any]) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
     for section, key, service in (
         ("kafka", "bootstrap", "kafka"),
+        ("kafka_sink", "bootstrap", "kafka"),
         ("registry", "url", "registry"),
         ("postgres", "dsn", "postgres"),
     ):
@@ -420,9 +485,10 @@ def resolve_auto(config: C, services: Any = None) -> C:
                 )
             states[name] = state
 
-    kafka = out.get("kafka") or {}
-    if kafka.get("bootstrap") == AUTO:
-        kafka["bootstrap"] = states["kafka"].info["bootstrap"]
+    for section in ("kafka", "kafka_sink"):
+        kafka = out.get(section) or {}
+        if kafka.get("bootstrap") == AUTO:
+            kafka["bootstrap"] = states["kafka"].info["bootstrap"]
     registry = out.get("registry") or {}
     if registry.get("url") == AUTO:
         registry["url"] = states["registry"].info["url"]

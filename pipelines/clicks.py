@@ -23,9 +23,6 @@ sinks (``CommitOffsetsAfter``): a run is committed whole or not at all.
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import datetime as dt
 import logging
 import sys
 from collections.abc import Mapping, Sequence
@@ -37,26 +34,27 @@ from apache_beam.runners.runner import PipelineResult
 from apache_beam.transforms.window import Sessions
 
 from beamflow.aggregates import SessionClicksFn
-from beamflow.config import (
-    ConfigError,
-    JobConfig,
-    as_job_config,
-    load_job_config,
-    required,
-    resolve_auto,
-    start_services,
-)
+from beamflow.config import JobConfig, as_job_config, required
 from beamflow.generate import load_click_schema
 from beamflow.iceberg.catalog import CatalogConfig
 from beamflow.postgres.sessions import sessions_spec as _sessions_table_spec
 from beamflow.postgres.table import TableSpec
+from pipelines.common import (
+    JobRunner,
+    dead_letter_sink,
+    epoch_ms_event,
+    first_copy_table,
+    quarantine_row,
+    quarantine_spec,
+    read_records,
+)
+from pipelines.common import utc as _utc
 from transforms.attach_event_id import AttachEventId
 from transforms.commit_offsets_after import CommitOffsetsAfter
 from transforms.decode_avro import DecodeAvro
-from transforms.deduplicate import DeduplicateEvents, FirstCopyTable, QuarantinedEvent
+from transforms.deduplicate import DeduplicateEvents
 from transforms.hot_key_aggregate import HotKeyAggregate, WindowedAggregate
-from transforms.read_from_kafka import ReadFromKafka, StartPolicy, StopPolicy
-from transforms.write_dead_letters import WriteDeadLetters, dead_letter_spec
+from transforms.write_dead_letters import dead_letter_spec
 from transforms.write_sessions import WriteSessions
 from transforms.write_to_iceberg import WriteToIceberg
 from transforms.write_to_postgres import WriteToPostgres
@@ -86,39 +84,6 @@ def sessions_spec(table: str) -> TableSpec:
 SESSIONS_SPEC = sessions_spec("click_sessions")
 
 
-def quarantine_spec(table: str) -> TableSpec:
-    return TableSpec(
-        table,
-        key=("topic", "kafka_partition", "kafka_offset"),
-        columns={
-            "topic": "text NOT NULL",
-            "kafka_partition": "integer NOT NULL",
-            "kafka_offset": "bigint NOT NULL",
-            "event_id": "text",
-            "reason": "text NOT NULL",
-            "event_time": "timestamptz",
-            "first_seen": "timestamptz",
-        },
-    )
-
-
-def _utc(ms: int | float) -> dt.datetime:
-    return dt.datetime.fromtimestamp(ms / 1000.0, tz=dt.UTC)
-
-
-def quarantine_row(q: QuarantinedEvent) -> dict[str, Any]:
-    kafka = q.event["_kafka"]
-    return {
-        "topic": kafka["topic"],
-        "kafka_partition": kafka["partition"],
-        "kafka_offset": kafka["offset"],
-        "event_id": None if q.event_id is None else str(q.event_id),
-        "reason": q.reason,
-        "event_time": q.event_time.to_utc_datetime(has_tz=True),
-        "first_seen": q.first_seen.to_utc_datetime(has_tz=True) if q.first_seen is not None else None,
-    }
-
-
 def session_row(agg: WindowedAggregate) -> dict[str, Any]:
     clicks = agg.value
     return {
@@ -139,11 +104,7 @@ def session_row(agg: WindowedAggregate) -> dict[str, Any]:
 
 def click_event(decoded: dict[str, Any]) -> dict[str, Any]:
     """A decoded click with event time as epoch milliseconds (Avro's timestamp-millis decodes to a datetime)."""
-    event = dict(decoded)
-    when = event["event_time"]
-    if isinstance(when, dt.datetime):
-        event["event_time"] = int(when.timestamp() * 1000)
-    return event
+    return epoch_ms_event(decoded)
 
 
 def impression_row(event: dict[str, Any]) -> dict[str, Any]:
@@ -189,20 +150,8 @@ def build_pipeline(p: beam.Pipeline, config: JobConfig | Mapping[str, Any]) -> C
     registry, sessions_conf, dedup_conf = required(job.registry, "registry"), job.sessions, job.dedup
 
     bounded = kafka.bounded
-    records = p | "ReadClicks" >> ReadFromKafka(
-        kafka.bootstrap,
-        [kafka.topic],
-        group_id=kafka.group_id,
-        backend=kafka.backend,
-        start=StartPolicy(kafka.start),
-        stop=StopPolicy(at_end_offsets=bounded),
-        max_delay_ms=kafka.max_delay_ms,
-        idle_timeout_ms=kafka.idle_timeout_ms,
-        max_bundle_records=kafka.max_bundle_records,
-        consumer_config=dict(kafka.consumer_config) or None,
-        # A bounded run commits after its sinks (CommitOffsetsAfter below); a streaming one on finalization.
-        commit_offsets=not bounded,
-    )
+    # A bounded run commits after its sinks (CommitOffsetsAfter below); a streaming one on finalization.
+    records = read_records(p, job, "ReadClicks")
     decoded = records | "DecodeAvro" >> DecodeAvro(registry.url, reader_schema=load_click_schema(2))
     identified = (
         decoded.decoded
@@ -211,7 +160,7 @@ def build_pipeline(p: beam.Pipeline, config: JobConfig | Mapping[str, Any]) -> C
     )
     dedup = identified.events | "Deduplicate" >> DeduplicateEvents(
         ttl=dedup_conf.ttl_s,
-        table=_first_copy_table(job),
+        table=first_copy_table(job),
         strategy=dedup_conf.strategy,
     )
 
@@ -267,11 +216,7 @@ def build_pipeline(p: beam.Pipeline, config: JobConfig | Mapping[str, Any]) -> C
         iceberg.dead_letters,
         quarantine_written.dead_letters,
     ) | "AllDeadLetters" >> beam.Flatten()
-    dlq_conf = job.dead_letters
-    if dlq_conf.sink == "kafka":
-        dlq = WriteDeadLetters("kafka", bootstrap=kafka.bootstrap, topic=dlq_conf.topic or f"{kafka.topic}-dlq")
-    else:
-        dlq = WriteDeadLetters("postgres", dsn=pg.dsn, table=pg.dead_letters_table)
+    dlq = dead_letter_sink(job)
     dead_letters_written = dead_letters | "WriteDeadLetters" >> dlq
     if bounded:
         # Every sink's last step: the quarantine writes end in dead letters, which end in the DLQ.
@@ -284,57 +229,15 @@ def build_pipeline(p: beam.Pipeline, config: JobConfig | Mapping[str, Any]) -> C
     return ClicksJob(records, dedup.unique, dead_letters, dedup.quarantine, sessions)
 
 
-def _first_copy_table(config: JobConfig) -> FirstCopyTable | None:
-    """The dedup's PostgreSQL table for ``dedup.strategy`` ``auto`` (the default) or ``store``.
-
-    Why the store in every mode: on portable runners per-key state is a blocking round trip per event, while the
-    table is one transaction per bundle; and it remembers first copies across restores and across bounded runs, so a
-    duplicate whose original came in an earlier run is quarantined too (a per-run grouping cannot see it, and the
-    sessions would count it twice). ``grouped`` and ``state`` keep the runner-only strategies.
-    """
-    if config.dedup.strategy in ("auto", "store"):
-        pg = required(config.postgres, "postgres")
-        return FirstCopyTable(pg.dsn, pg.first_copies)
-    return None
+JOB = JobRunner("python -m pipelines.clicks", __doc__.split("\n")[0], DEFAULT_CONF, build_pipeline, _LOG)
 
 
-def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(prog="python -m pipelines.clicks", description=__doc__.split("\n")[0])
-    parser.add_argument("--conf", default=DEFAULT_CONF, help="job configuration YAML (default: %(default)s)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
-    parser.add_argument("--runner", default="DirectRunner", help="DirectRunner (pinned local runner) or FlinkRunner")
-    parser.add_argument(
-        "--start-services",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="start the local services the conf's `auto` endpoints name before running (default: yes; with "
-        "--no-start-services an `auto` service that is not running is an error)",
-    )
-    parser.add_argument(
-        "--attached",
-        action="store_true",
-        help="FlinkRunner: wait until the job ends (default: return once it runs; LOOPBACK jobs always wait)",
-    )
-    return parser.parse_known_args(argv)
+def parse_args(argv: Sequence[str]) -> tuple[Any, list[str]]:
+    return JOB.parse_args(argv)
 
 
 def pipeline_options(runner: str, beam_args: Sequence[str], config: JobConfig | Mapping[str, Any]) -> Any:
-    job = as_job_config(config)
-    if runner == "FlinkRunner":
-        from runners.flink import flink_options
-
-        return flink_options(job.flink.settings() if job.flink else {}, beam_args)
-    if runner not in ("DirectRunner", "FnApiRunner"):
-        raise SystemExit(f"unknown --runner {runner}: use DirectRunner or FlinkRunner")
-    if not (job.kafka and job.kafka.bounded):
-        # FnApiRunner runs stage after stage: the read of a stream never finishes, so nothing after it ever runs.
-        raise SystemExit(
-            "kafka.bounded=false needs a streaming runner: the local runner (FnApiRunner) runs stage after stage "
-            "and would write nothing; use --runner=FlinkRunner, or Prism (runners/prism.py), to stream"
-        )
-    from runners.direct import local_options
-
-    return local_options(beam_args)
+    return JOB.pipeline_options(runner, beam_args, config)
 
 
 def run_with_config(
@@ -343,79 +246,21 @@ def run_with_config(
     beam_args: Sequence[str] = (),
     attached: bool = True,
 ) -> PipelineResult:
-    """Builds and runs the job for an already resolved config.
-
-    Waits until it finishes, except a Flink job with ``attached=False`` whose workers run beside the TaskManagers:
-    that returns once the job runs, and the job goes on without this process.
-    """
-    job = as_job_config(config)
-    if runner == "FlinkRunner" and not (job.flink and job.flink.job_name):
-        job = job.with_flink(job_name=job.job.name)
-    flink = job.flink.settings() if job.flink else {}
-    if runner == "FlinkRunner":
-        from runners.flink import SubmissionError, check_reachable
-
-        try:
-            check_reachable(flink)
-        except SubmissionError as exc:
-            raise SystemExit(f"beamflow: {exc}") from None
-    p = beam.Pipeline(options=pipeline_options(runner, beam_args, job))
-    build_pipeline(p, job)
-    result = p.run()
-    if runner == "FlinkRunner" and not attached:
-        from runners.flink import environment_kind, wait_until_running
-
-        if environment_kind(flink.get("environment", "LOOPBACK")) != "LOOPBACK":
-            job_name = p.options.get_all_options(retain_unknown_options=True).get("job_name") or flink.get("job_name")
-            state = wait_until_running(result, job_name, flink.get("rest_url"))
-            _LOG.info(
-                "job %s is %s on the Flink cluster; this process may exit (`beamflow flink jobs` lists it)",
-                job_name,
-                state,
-            )
-            return result
-    result.wait_until_finish()
-    return result
+    """Builds and runs the job for an already resolved config (``JobRunner.run_with_config``)."""
+    return JOB.run_with_config(config, runner, beam_args, attached)
 
 
 def for_runner(config: JobConfig | Mapping[str, Any], runner: str) -> JobConfig:
-    """The job's config as ``runner`` runs it.
-
-    A streaming Flink job reads the topic as a stream: ``kafka.bounded`` (true in ``conf/clicks.yaml`` for the local
-    demo) applies to local and batch runs only. A bounded read inside a streaming job would never let its
-    end-of-input groupings fire (sources stay up for checkpoints), and its after-the-sinks commit needs side inputs
-    that Beam's Flink runner cannot checkpoint in streaming mode. ``flink.streaming=false`` runs a bounded batch job.
-    """
-    job = as_job_config(config)
-    if runner != "FlinkRunner":
-        return dataclasses.replace(job, flink=None)
-    kafka = required(job.kafka, "kafka")
-    if (job.flink is None or job.flink.streaming) and kafka.bounded:
-        _LOG.info("streaming Flink job: reading %s as a stream (kafka.bounded applies to batch runs)", kafka.topic)
-        job = dataclasses.replace(job, kafka=dataclasses.replace(kafka, bounded=False))
-    return job
+    """The job's config as ``runner`` runs it (``JobRunner.for_runner``: a streaming Flink job reads a stream)."""
+    return JOB.for_runner(config, runner)
 
 
 def run(argv: Sequence[str] | None = None) -> PipelineResult:
-    args, beam_args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    try:
-        config = for_runner(load_job_config(args.conf, args.set), args.runner)
-        if args.start_services:
-            # Explicit: the local services this run's `auto` endpoints name (already running ones are left as they are).
-            started = start_services(config)
-            if started:
-                _LOG.info("local services for the conf's auto endpoints: %s (running)", ", ".join(started))
-        config = resolve_auto(config)
-    except ConfigError as exc:
-        raise SystemExit(f"beamflow: {exc}") from None
-    return run_with_config(config, args.runner, beam_args, attached=args.attached)
+    return JOB.run(list(sys.argv[1:] if argv is None else argv))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
-    logging.getLogger("apache_beam").setLevel(logging.WARNING)
-    run(argv)
-    return 0
+    return JOB.main(list(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":

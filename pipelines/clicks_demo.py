@@ -14,19 +14,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime as dt
-import os
-import shutil
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from beamflow.config import JobConfig, as_job_config, load_job_config, required, resolve_auto
 from beamflow.generate import GeneratedTraffic, TrafficSpec, avro_click_encoder, generate_traffic, produce_traffic
 from beamflow.services import ServiceSet
+from pipelines.demo_common import address, drop_tables, drop_topics, left_behind, start_needed, stop_command, table
 
 __all__ = [
     "DemoSummary",
@@ -103,54 +100,23 @@ class DemoSummary:
         ]
 
     def table(self) -> str:
-        width = max(len(k) for k, _ in self.rows())
-        lines = [f"{k:<{width}}  {v:>12}" for k, v in self.rows()]
-        rule = "-" * (width + 14)
-        return "\n".join([rule, *lines, rule])
+        return table(self.rows())
 
     def left_behind(self) -> str:
         """What is still running after the demo, where the data is, and the one command that stops it."""
-        running = ", ".join(f"{name} ({where})" for name, where in self.left_running.items()) or "nothing"
-        return "\n".join(
-            [
-                f"still running: {running}",
-                f"data (topic, tables, Iceberg warehouse, service logs): {self.data_dir}",
-                f"stop them with: {self.stop_command}",
-            ]
+        return left_behind(
+            self.left_running, self.data_dir, self.stop_command, "topic, tables, Iceberg warehouse, service logs"
         )
-
-
-def _stop_command(services: ServiceSet, names: list[str]) -> str:
-    """The command that stops ``names`` under ``services.data``, as this user can type it here."""
-    exe = Path(sys.prefix) / "bin" / "beamflow"
-    on_path = shutil.which("beamflow")
-    command = "beamflow" if on_path and Path(on_path).resolve() == exe.resolve() else os.path.relpath(exe)
-    data = f"BEAMFLOW_DATA={services.data} " if os.environ.get("BEAMFLOW_DATA") else ""
-    return f"{data}{command} services down {' '.join(names)}"
 
 
 def reset_job_state(config: JobConfig | Mapping[str, Any]) -> None:
     """Drops the demo's topic, tables and Iceberg table so a rerun starts from nothing and its summary is exact."""
-    import psycopg
-    from confluent_kafka.admin import AdminClient
-    from psycopg import sql
-
     from beamflow.iceberg.catalog import CatalogConfig, open_catalog
 
     job = as_job_config(config)
     kafka, pg, ice = required(job.kafka, "kafka"), required(job.postgres, "postgres"), required(job.iceberg, "iceberg")
-    admin = AdminClient({"bootstrap.servers": kafka.bootstrap})
-    topic = kafka.topic
-    if topic in admin.list_topics(timeout=10).topics:
-        for future in admin.delete_topics([topic]).values():
-            future.result(30)
-        # Deletion is asynchronous in the broker; wait until the name is free.
-        deadline = time.monotonic() + 30
-        while topic in admin.list_topics(timeout=10).topics and time.monotonic() < deadline:
-            time.sleep(0.5)
-    with psycopg.connect(pg.dsn, autocommit=True) as conn:
-        for name in (pg.sessions_table, pg.dead_letters_table, pg.quarantine_table, pg.first_copies):
-            conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(name)))
+    drop_topics(kafka.bootstrap, [kafka.topic])
+    drop_tables(pg.dsn, (pg.sessions_table, pg.dead_letters_table, pg.quarantine_table, pg.first_copies))
     catalog = open_catalog(CatalogConfig(warehouse=ice.catalog.warehouse, uri=ice.catalog.uri))
     with contextlib.suppress(Exception):
         catalog.drop_table(ice.table)
@@ -268,19 +234,13 @@ def run_demo(
     from apache_beam.metrics.metric import MetricsFilter
 
     import pipelines.clicks as clicks
-    from beamflow.config import auto_services
     from beamflow.kafka.admin import create_topic
     from transforms.hot_key_aggregate import late_dropped
 
     services = services or ServiceSet()
     # The local runner's job: its flink: section does not apply, so Flink is neither needed nor started.
     config = clicks.for_runner(load_job_config(conf_path, overrides), "DirectRunner")
-    needed = auto_services(config)
-    progress(f"starting services: {', '.join(needed) or 'none'} (first run downloads and builds them)")
-    for name in needed:
-        t0 = time.monotonic()
-        services.get(name).up()
-        progress(f"  {name} up ({time.monotonic() - t0:.1f}s)")
+    needed = start_needed(config, services, progress)
     config = resolve_auto(config, services)
     kafka, registry = required(config.kafka, "kafka"), required(config.registry, "registry")
     progress("resetting the demo's topic and tables")
@@ -339,17 +299,11 @@ def run_demo(
         session_events=sum(s[5] for s in stored),
         expected_sessions=len(expected),
         sessions_match=stored == expected,
-        left_running={name: _address(services, name) for name in needed},
+        left_running={name: address(services, name) for name in needed},
         data_dir=str(services.data),
-        stop_command=_stop_command(services, needed),
+        stop_command=stop_command(services, needed),
         **counts,
     )
-
-
-def _address(services: ServiceSet, name: str) -> str:
-    state = services.get(name).state()
-    info = state.info if state else {}
-    return str(info.get("bootstrap") or info.get("url") or info.get("dsn") or (state.ports if state else ""))
 
 
 def main(conf: str, overrides: tuple[str, ...], events: int) -> int:
