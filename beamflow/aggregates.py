@@ -1,4 +1,5 @@
-"""Aggregates for the clicks pipeline: per-session impressions, clicks and first/last event time.
+"""Aggregates for the jobs: per-session impressions, clicks and first/last event time (clicks); per-session rides,
+fares, distance and zones of a driver (rides, ``RideSession``).
 
 The aggregate itself (``SessionClicks`` and its ``add``/``merge``) is plain Python; ``SessionClicksFn`` adapts it to
 Beam's ``CombineFn`` contract so it can run per key per session window, directly or in two stages
@@ -20,7 +21,7 @@ from apache_beam.transforms.core import CombineFn
 
 from beamflow.kafka.offset_ranges import OffsetRanges
 
-__all__ = ["CLICK", "IMPRESSION", "SessionClicks", "SessionClicksFn"]
+__all__ = ["CLICK", "IMPRESSION", "RideSession", "RideSessionFn", "SessionClicks", "SessionClicksFn"]
 
 IMPRESSION = "impression"
 CLICK = "click"
@@ -161,4 +162,101 @@ class SessionClicksFn(CombineFn):
         return merged
 
     def extract_output(self, accumulator: SessionClicks) -> SessionClicks:
+        return accumulator
+
+
+# ---- rides (seed 002) ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RideSession:
+    """What one driver did in one session: rides, fares and distance, first and last ride, the zones driven from.
+
+    ``driver`` is the driver's dimension row as of the session's latest ride (the enrichment joined one per ride;
+    the latest wins so the value does not depend on the order rides were combined in). ``unknown_zone_rides`` counts
+    rides whose zone the zone dimension did not hold. ``ride_offsets`` are the Kafka coordinates of the rides counted
+    (when the rides carried them), so a reader can check that each ride is counted once across sessions.
+    """
+
+    rides: int = 0
+    fare_total: float = 0.0
+    distance_km: float = 0.0
+    first_ride_time: int | None = None
+    last_ride_time: int | None = None
+    zones: frozenset[str] = frozenset()
+    unknown_zone_rides: int = 0
+    driver: tuple[Any, ...] = ()  # (event time, *driver columns) of the latest ride
+    ride_offsets: OffsetRanges = _NONE
+
+    def merge(self, other: RideSession) -> RideSession:
+        """The aggregate of two disjoint sets of rides (commutative and associative, as two stages need)."""
+        firsts = [t for t in (self.first_ride_time, other.first_ride_time) if t is not None]
+        lasts = [t for t in (self.last_ride_time, other.last_ride_time) if t is not None]
+        drivers = [d for d in (self.driver, other.driver) if d]
+        return RideSession(
+            self.rides + other.rides,
+            # Fares are summed in cents so that the order of merging cannot change the total's last digit.
+            round(self.fare_total * 100 + other.fare_total * 100) / 100,
+            round(self.distance_km * 100 + other.distance_km * 100) / 100,
+            min(firsts) if firsts else None,
+            max(lasts) if lasts else None,
+            self.zones | other.zones,
+            self.unknown_zone_rides + other.unknown_zone_rides,
+            max(drivers, key=_driver_order) if drivers else (),
+            self.ride_offsets | other.ride_offsets,
+        )
+
+
+def _driver_order(driver: tuple[Any, ...]) -> tuple[Any, ...]:
+    # By event time, then the columns as text (None first), so equal times still pick one row deterministically.
+    return (driver[0], *("" if v is None else str(v) for v in driver[1:]))
+
+
+class RideSessionFn(CombineFn):
+    """Combines enriched ride events (mappings) into one ``RideSession`` per driver and window.
+
+    Each ride needs ``event_time`` (epoch ms) and ``fare``; ``distance_km``, ``zone_id``, ``kafka_partition`` and
+    ``kafka_offset`` are read when present; ``driver_columns`` are the driver dimension's columns carried into the
+    session; a ride whose ``zone_column`` is None counts as an unknown zone. A ride without a time or fare raises
+    ``ValueError`` naming the field (a silently skipped ride would make the totals wrong).
+    """
+
+    def __init__(self, driver_columns: tuple[str, ...] = (), zone_column: str | None = None) -> None:
+        self.driver_columns = tuple(driver_columns)
+        self.zone_column = zone_column
+
+    def create_accumulator(self) -> RideSession:
+        return RideSession()
+
+    def add_input(self, accumulator: RideSession, element: Mapping[str, Any]) -> RideSession:
+        try:
+            when, fare = element["event_time"], element["fare"]
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"a ride needs fields 'event_time' and 'fare', got {element!r}") from exc
+        if isinstance(when, bool) or not isinstance(when, int):
+            raise ValueError(f"'event_time' must be epoch milliseconds (int), got {when!r}")
+        partition, offset = element.get("kafka_partition"), element.get("kafka_offset")
+        offsets = _NONE.add(partition, offset) if partition is not None and offset is not None else _NONE
+        zone = element.get("zone_id")
+        unknown = self.zone_column is not None and element.get(self.zone_column) is None
+        one = RideSession(
+            1,
+            float(fare),
+            float(element.get("distance_km") or 0.0),
+            when,
+            when,
+            frozenset([zone]) if zone is not None else frozenset(),
+            int(unknown),
+            (when, *(element.get(c) for c in self.driver_columns)),
+            offsets,
+        )
+        return accumulator.merge(one)
+
+    def merge_accumulators(self, accumulators: Iterable[RideSession]) -> RideSession:
+        merged = RideSession()
+        for accumulator in accumulators:
+            merged = merged.merge(accumulator)
+        return merged
+
+    def extract_output(self, accumulator: RideSession) -> RideSession:
         return accumulator

@@ -1,6 +1,7 @@
-"""``beamflow demo``: the README's first command after setup: services, traffic, the clicks job, an audited summary.
+"""``beamflow demo``: the README's first command after setup: services, traffic, a job, an audited summary.
 
-The demo belongs to its job (``pipelines/clicks_demo.py``): the engines name it here, and import it only when run.
+Each demo belongs to its job (``pipelines/clicks_demo.py``, ``pipelines/rides_demo.py``): the engines name them here,
+and import one only when it runs. ``--job`` picks it (``--demo`` is the older name of the same flag).
 """
 
 from __future__ import annotations
@@ -8,22 +9,22 @@ from __future__ import annotations
 import argparse
 import importlib
 
-# demo name -> module with main(conf, overrides, events) -> exit code
-DEMOS = {"clicks": "pipelines.clicks_demo"}
+# job name -> module with main(conf, overrides, events) -> exit code; its conf is conf/<job>.yaml
+DEMOS = {"clicks": "pipelines.clicks_demo", "rides": "pipelines.rides_demo"}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("demo", help="run the clicks job end to end on local services and audit it")
-    parser.add_argument("--conf", default="conf/clicks.yaml")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--events", type=int, default=20_000, help="click events to generate (default %(default)s)")
+    parser = subparsers.add_parser("demo", help="run a job end to end on local services and audit it")
     parser.add_argument(
-        "--demo", choices=sorted(DEMOS), default="clicks", help="which job's demo (default %(default)s)"
+        "--job", "--demo", dest="job", choices=sorted(DEMOS), default="clicks", help="which job (default %(default)s)"
     )
+    parser.add_argument("--conf", default=None, help="the job's configuration (default conf/<job>.yaml)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--events", type=int, default=20_000, help="events to generate (default %(default)s)")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    demo = importlib.import_module(DEMOS[args.demo])
-    code: int = demo.main(args.conf, tuple(args.set), args.events)
+    demo = importlib.import_module(DEMOS[args.job])
+    code: int = demo.main(args.conf or f"conf/{args.job}.yaml", tuple(args.set), args.events)
     return code
