@@ -1,0 +1,501 @@
+"""beamflow beside the peer a user would pick instead (Quix Streams): same job, same data, same machine, same crashes.
+
+    .venv/bin/python -m benchmarks.peers [--events 20000,200000] [--rounds 2] [--drill-events 200000]
+        [--json .data/peers/peers.json] [--plot docs/peers.png]
+
+Throughput (interleaved rounds; each round runs every variant once on the same topic, the order rotating):
+
+- ``baseline``: ``benchmarks.e2e``'s hand-written single-process loop (its ``--child baseline``);
+- ``quix``: ``benchmarks/peers/quix_clicks.py`` in its own virtual environment (``.cache/peers/quix-venv``, created
+  here with ``QUIX_PINS``), exactly-once processing guarantee;
+- ``beamflow``: ``pipelines.clicks`` on the pinned local runner as ``benchmarks.e2e`` runs it (its
+  ``--child beamflow``, which also times each fused stage).
+
+Each run is its own subprocess; wall seconds from the parent, CPU seconds (user+sys) and peak RSS from ``wait4``'s
+rusage of that child, so every variant is measured the same way. Every run is audited with the same independent
+queries (``audit_run``: a plain pyiceberg scan of the event ids, psql counts, the group's committed offsets).
+
+Crashes (``--drill-events``, 5% duplicate sends), applied identically to ``quix`` and ``beamflow``:
+
+- *crash drill*: the job SIGKILLed at three random moments (fractions of its own undisturbed run time, the same
+  fractions for both), rerun after each, then run to the end;
+- *zombie*: instance A SIGSTOPped part-way, instance B started and run to the end, then A resumed (SIGCONT) and let
+  finish (or killed after ``ZOMBIE_WAIT_S``).
+
+Then: events lost (produced event ids missing from Iceberg), event ids twice in Iceberg, sessions double-counted
+(session rows of one user overlapping another, or one key twice), offsets committed vs end offsets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+QUIX_VENV = REPO / ".cache" / "peers" / "quix-venv"
+# The newest quixstreams PyPI served on 2026-12-01 (`pip index versions quixstreams`), with the extras the job uses;
+# pyiceberg and psycopg pinned to what that resolved to.
+QUIX_PINS = (
+    "quixstreams[avro,iceberg,postgresql]==3.28.1",
+    "pyiceberg[sql-sqlite,pyarrow,pyiceberg-core]==0.12.0",
+    "psycopg[binary]==3.3.9",
+)
+QUIX_JOB = REPO / "benchmarks" / "peers" / "quix_clicks.py"
+VARIANTS = ("baseline", "quix", "beamflow")
+FRAMEWORKS = ("quix", "beamflow")
+RUN_TIMEOUT_S = 1800
+CODE_TREE = [REPO]  # set by main (--code)
+ZOMBIE_WAIT_S = 240
+# Quix tuning (see docs/benchmarks.md): the same librdkafka fetch settings beamflow's consumer uses, and a 5 s commit
+# interval (Quix's default, and the baseline's Iceberg append interval).
+QUIX_CONSUMER_CONFIG = {
+    "fetch.queue.backoff.ms": 0,
+    "fetch.wait.max.ms": 10,
+    "queued.min.messages": 100000,
+    "queued.max.messages.kbytes": 65536,
+    "fetch.max.bytes": 52428800,
+    "max.partition.fetch.bytes": 4194304,
+}
+
+
+def quix_python() -> str:
+    """The Quix job's interpreter: a venv of its own under the project's cache, created with ``QUIX_PINS``."""
+    marker = QUIX_VENV / "pins.txt"
+    python = QUIX_VENV / "bin" / "python"
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(QUIX_VENV)], check=True)
+    if not marker.exists() or marker.read_text() != "\n".join(QUIX_PINS):
+        subprocess.run([str(python), "-m", "pip", "install", "-q", *QUIX_PINS], check=True)
+        marker.write_text("\n".join(QUIX_PINS))
+    return str(python)
+
+
+def code_tree(workdir: Path, which: str) -> Path:
+    """The code the baseline and beamflow children run: ``worktree`` (this checkout as it is) or a git ref.
+
+    A ref is exported (``git archive``) into a folder of its own, so the measured code is exactly one commit even
+    while others edit the shared working tree.
+    """
+    if which == "worktree":
+        return REPO
+    sha = subprocess.run(["git", "rev-parse", which], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    tree = workdir / f"tree-{sha.strip()[:10]}"
+    if not (tree / "pipelines" / "clicks.py").exists():
+        tree.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(["git", "archive", sha.strip()], cwd=REPO, capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    return tree
+
+
+# ---- running one variant ---------------------------------------------------------------------------------------------
+
+
+class Run:
+    """One variant's subprocess: started now, measured with ``wait4`` (its own CPU seconds and peak RSS)."""
+
+    def __init__(
+        self, variant: str, config: dict[str, Any], workdir: Path, python_for_quix: str | None, tree: Path | None = None
+    ) -> None:
+        tree = tree or CODE_TREE[0]
+        self.variant = variant
+        path = workdir / f"{variant}-{uuid.uuid4().hex[:6]}.json"
+        path.write_text(json.dumps(config))
+        if variant == "quix":
+            assert python_for_quix
+            cmd = [python_for_quix, str(QUIX_JOB), str(path)]
+        else:
+            cmd = [sys.executable, "-m", "benchmarks.e2e", "--child", variant, str(path)]
+        self.log = workdir / f"{path.stem}.log"
+        self._out = self.log.open("w")
+        self.started = time.perf_counter()
+        # The beamflow children import the code under ``tree`` (a snapshot of HEAD by default, see code_tree).
+        env = {**os.environ, "PYTHONPATH": str(tree)}
+        self.proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=self._out, stderr=subprocess.STDOUT)
+
+    def signal(self, sig: signal.Signals) -> None:
+        # os.kill, not Popen.send_signal: that polls first, and a child that has just exited would be reaped there,
+        # before wait4 can read its rusage. Only wait4 reaps, so the pid cannot have been reused.
+        os.kill(self.proc.pid, sig)
+
+    def wait(self, timeout: float = RUN_TIMEOUT_S) -> dict[str, Any]:
+        """Waits for the child; returns wall/CPU/peak RSS and its RESULT line (if it printed one)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            pid, status, usage = os.wait4(self.proc.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.monotonic() > deadline:
+                self.proc.kill()
+                pid, status, usage = os.wait4(self.proc.pid, 0)
+                break
+            time.sleep(0.05)
+        self.proc.returncode = os.waitstatus_to_exitcode(status)
+        seconds = time.perf_counter() - self.started
+        self._out.close()
+        text = self.log.read_text(errors="replace")
+        lines = [line for line in text.splitlines() if line.startswith("RESULT ")]
+        child = json.loads(lines[-1][len("RESULT ") :]) if lines else {}
+        return {
+            "variant": self.variant,
+            "returncode": self.proc.returncode,
+            "seconds": seconds,
+            "cpu_s": usage.ru_utime + usage.ru_stime,
+            "peak_rss_mb": usage.ru_maxrss / 1024,
+            "child": child,
+            "tail": "" if self.proc.returncode == 0 else text[-2500:],
+        }
+
+
+# ---- the audit: the same independent queries for every framework ----------------------------------------------------
+
+
+def overlapping_sessions_sql(table: str) -> str:
+    """Session rows of one user whose intervals overlap another row's: the same events counted in two sessions."""
+    return (
+        f'SELECT count(*) FROM "{table}" a JOIN "{table}" b ON a.user_id = b.user_id '
+        "AND a.session_start < b.session_start AND b.session_start < a.session_end"
+    )
+
+
+def summarize_audit(found: dict[str, Any], expected: dict[str, int], overlapping: int) -> dict[str, Any]:
+    """What the issue asks of every run: lost, twice, sessions double-counted, offsets (from ``e2e.audit``'s counts)."""
+    ends, committed = found["end_offsets"], found["committed_offsets"]
+    return {
+        "lost": expected["events"] - found["iceberg_ids"],
+        "ids_twice": found["iceberg_rows"] - found["iceberg_ids"],
+        "sessions_double_counted": overlapping + max(found["session_keys_twice"], 0),
+        "session_events": found["session_events"],
+        "sessions": found["sessions"],
+        "quarantined": found["quarantined"],
+        "dead_letters": found["dead_letters"],
+        "offsets_behind": sum(max(0, int(end) - max(int(committed.get(p, -1) or -1), 0)) for p, end in ends.items()),
+        "offsets_ahead": sum(max(0, int(committed.get(p, -1) or -1) - int(end)) for p, end in ends.items()),
+    }
+
+
+def audit_run(config: dict[str, Any], expected: dict[str, int]) -> dict[str, Any]:
+    import psycopg
+
+    from benchmarks.e2e import audit
+
+    found = audit(config, expected)
+    # e2e.audit reads committed offsets keyed by partition number; JSON round trips make them strings elsewhere.
+    found["end_offsets"] = {int(k): v for k, v in found["end_offsets"].items()}
+    found["committed_offsets"] = {int(k): v for k, v in found["committed_offsets"].items()}
+    with psycopg.connect(config["postgres"]["dsn"], autocommit=True) as conn:
+        try:
+            row = conn.execute(overlapping_sessions_sql(config["postgres"]["sessions_table"])).fetchone()
+            overlapping = int(row[0]) if row else 0
+        except psycopg.errors.UndefinedTable:
+            overlapping = 0
+    return summarize_audit(found, expected, overlapping)
+
+
+# ---- the parent ------------------------------------------------------------------------------------------------------
+
+
+def variant_config(base: dict[str, Any], variant: str, tag: str, workdir: Path) -> dict[str, Any]:
+    from benchmarks.e2e import _variant_config
+
+    config = _variant_config(base, variant, tag)
+    if variant == "quix":
+        state = workdir / "quix-state" / tag
+        state.mkdir(parents=True, exist_ok=True)
+        # Quix writes with its own pyiceberg (another version): its own SQLite catalog, the same warehouse.
+        catalog_uri = f"sqlite:///{workdir / 'iceberg' / 'quix_catalog.db'}"
+        (workdir / "iceberg").mkdir(parents=True, exist_ok=True)
+        config["iceberg"]["catalog"]["uri"] = catalog_uri
+        config["quix"] = {
+            "state_dir": str(state),
+            "catalog_uri": catalog_uri,
+            "commit_interval_s": 5.0,
+            "consumer_extra_config": QUIX_CONSUMER_CONFIG,
+            "idle_timeout_s": 60.0,
+        }
+    return config
+
+
+def produce(base: dict[str, Any], events: int, duplicate_share: float, tag: str) -> tuple[str, dict[str, int], int]:
+    from beamflow.generate import TrafficSpec, avro_click_encoder, generate_traffic, produce_traffic
+    from beamflow.kafka.admin import create_topic
+
+    topic = f"peers-{tag}"
+    spec = TrafficSpec(
+        events=events, partitions=int(base["kafka"].get("partitions", 4)), duplicate_share=duplicate_share
+    )
+    create_topic(base["kafka"]["bootstrap"], topic, spec.partitions)
+    traffic = generate_traffic(spec, avro_click_encoder(base["registry"]["url"], base["registry"]["subject"]))
+    produce_traffic(base["kafka"]["bootstrap"], topic, traffic)
+    expected = {k: int(traffic.counts[k]) for k in ("events", "duplicate_sends", "bad_records")}
+    return topic, expected, len(traffic.records)
+
+
+def throughput(
+    base: dict[str, Any], workdir: Path, sizes: list[int], rounds: int, variants: list[str], qpy: str
+) -> list[dict[str, Any]]:
+    out = []
+    for size in sizes:
+        tag = uuid.uuid4().hex[:6]
+        topic, expected, records = produce(base, size, 0.02, f"{size}-{tag}")
+        print(f"\n{records:,} records ({size:,} events) in {topic}; load average {os.getloadavg()[0]:.1f}", flush=True)
+        for r in range(rounds):
+            order = variants[r % len(variants) :] + variants[: r % len(variants)]
+            for variant in order:
+                config = variant_config(
+                    {**base, "kafka": {**base["kafka"], "topic": topic}}, variant, f"{tag}r{r}", workdir
+                )
+                load_before = os.getloadavg()[0]
+                result = Run(variant, config, workdir, qpy).wait()
+                result.update(events=size, records=records, round=r, load=load_before, load_after=os.getloadavg()[0])
+                result["audit"] = audit_run(config, expected)
+                out.append(result)
+                a = result["audit"]
+                print(
+                    f"  [{size:,} r{r}] {variant:9} {result['seconds']:6.1f}s "
+                    f"{records / result['seconds']:8,.0f} rec/s "
+                    f"CPU {result['cpu_s']:6.1f}s ({records / max(result['cpu_s'], 1e-9):7,.0f} rec/CPU s) "
+                    f"peak {result['peak_rss_mb']:5.0f} MB load {load_before:4.1f} rc={result['returncode']} | lost "
+                    f"{a['lost']} twice {a['ids_twice']} sess {a['sessions']} ({a['session_events']} ev) dbl "
+                    f"{a['sessions_double_counted']} quar {a['quarantined']}/{expected['duplicate_sends']} dead "
+                    f"{a['dead_letters']}/{expected['bad_records']} behind {a['offsets_behind']}",
+                    flush=True,
+                )
+                if result["returncode"] != 0:
+                    print(result["tail"], flush=True)
+    return out
+
+
+def crash_drill(
+    base: dict[str, Any], workdir: Path, events: int, frameworks: list[str], qpy: str, seed: int
+) -> dict[str, Any]:
+    tag = uuid.uuid4().hex[:6]
+    topic, expected, records = produce(base, events, 0.05, f"drill-{events}-{tag}")
+    rng = random.Random(seed)
+    fractions = sorted(rng.uniform(0.1, 0.9) for _ in range(3))
+    zombie_at = rng.uniform(0.2, 0.6)
+    print(
+        f"\ncrash drills: {records:,} records ({events:,} events, {expected['duplicate_sends']} duplicate sends) in "
+        f"{topic}; kills at {[round(f, 2) for f in fractions]} of each job's own run time; zombie paused at "
+        f"{zombie_at:.2f}",
+        flush=True,
+    )
+    out: dict[str, Any] = {"events": events, "records": records, "expected": expected, "fractions": fractions}
+    for framework in frameworks:
+        with_topic = {**base, "kafka": {**base["kafka"], "topic": topic}}
+        # The undisturbed run time, on its own group and tables: the kill moments are fractions of it.
+        probe_config = variant_config(with_topic, framework, f"{tag}p", workdir)
+        probe = Run(framework, probe_config, workdir, qpy).wait()
+        probe["audit"] = audit_run(probe_config, expected)
+        duration = probe["seconds"]
+        config = variant_config(with_topic, framework, f"{tag}c", workdir)
+        kills = []
+        for fraction in fractions:
+            run = Run(framework, config, workdir, qpy)
+            time.sleep(fraction * duration)
+            run.signal(signal.SIGKILL)
+            kills.append(run.wait()["seconds"])
+        final = Run(framework, config, workdir, qpy).wait()
+        crash_audit = audit_run(config, expected)
+        drill = {"probe": probe, "kill_after_s": kills, "final": final, "audit": crash_audit}
+        clean = probe["audit"]
+        print(f"  {framework} undisturbed ({duration:.0f}s, rc={probe['returncode']}): {_audit_line(clean, expected)}")
+        print(
+            f"  {framework} crash drill (killed after {[round(k, 1) for k in kills]} s, "
+            f"final rc={final['returncode']}):"
+            f" {_audit_line(crash_audit, expected, clean)}",
+            flush=True,
+        )
+        # Zombie: A paused part-way, B runs to the end, A resumed.
+        zconfig = variant_config(with_topic, framework, f"{tag}z", workdir)
+        if framework == "quix":
+            zconfig_b = json.loads(json.dumps(zconfig))
+            zconfig_b["quix"]["state_dir"] = zconfig["quix"]["state_dir"] + "-b"  # another pod, another disk
+        else:
+            zconfig_b = zconfig
+        a = Run(framework, zconfig, workdir, qpy)
+        time.sleep(zombie_at * duration)
+        a.signal(signal.SIGSTOP)
+        b = Run(framework, zconfig_b, workdir, qpy).wait()
+        a.signal(signal.SIGCONT)
+        a_result = a.wait(timeout=ZOMBIE_WAIT_S)
+        zombie = {"a": a_result, "b": b, "audit": audit_run(zconfig, expected)}
+        print(
+            f"  {framework} zombie (A rc={a_result['returncode']}, B rc={b['returncode']}): "
+            f"{_audit_line(zombie['audit'], expected, clean)}",
+            flush=True,
+        )
+        out[framework] = {"crash": drill, "zombie": zombie}
+    return out
+
+
+def versus_clean(a: dict[str, Any], clean: dict[str, Any]) -> dict[str, int]:
+    """A disturbed run's sessions against the same framework's undisturbed run of the same topic.
+
+    Both frameworks' sessions are deterministic given the input, so any extra session row, extra event counted in
+    sessions or extra overlapping pair is a double count the crash made (fewer: sessions lost).
+    """
+    return {
+        "session_rows_extra": a["sessions"] - clean["sessions"],
+        "session_events_extra": a["session_events"] - clean["session_events"],
+        "double_counted_extra": a["sessions_double_counted"] - clean["sessions_double_counted"],
+    }
+
+
+def _audit_line(a: dict[str, Any], expected: dict[str, int], clean: dict[str, Any] | None = None) -> str:
+    line = (
+        f"lost {a['lost']}, ids twice in Iceberg {a['ids_twice']}, sessions double-counted "
+        f"{a['sessions_double_counted']}, quarantined {a['quarantined']}/{expected['duplicate_sends']}, dead letters "
+        f"{a['dead_letters']}/{expected['bad_records']}, sessions {a['sessions']} ({a['session_events']}/"
+        f"{expected['events']} events), offsets behind end {a['offsets_behind']}"
+    )
+    if clean is not None:
+        d = versus_clean(a, clean)
+        line += (
+            f"; against the undisturbed run: session rows {d['session_rows_extra']:+d}, events in sessions "
+            f"{d['session_events_extra']:+d}, overlapping {d['double_counted_extra']:+d}"
+        )
+    return line
+
+
+def summary_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (events, variant): median records/s, records per CPU second, peak RSS, ratio to the same round's baseline."""
+    import statistics
+
+    rows = []
+    for size in sorted({r["events"] for r in runs}):
+        for variant in VARIANTS:
+            mine = [r for r in runs if r["events"] == size and r["variant"] == variant]
+            if not mine:
+                continue
+            ratios = []
+            for r in mine:
+                [b] = [
+                    x for x in runs if x["events"] == size and x["round"] == r["round"] and x["variant"] == "baseline"
+                ]
+                ratios.append(b["seconds"] / r["seconds"])
+            rows.append(
+                {
+                    "events": size,
+                    "variant": variant,
+                    "records": mine[0]["records"],
+                    "rec_s": statistics.median(r["records"] / r["seconds"] for r in mine),
+                    "rec_cpu_s": statistics.median(r["records"] / max(r["cpu_s"], 1e-9) for r in mine),
+                    "peak_mb": max(r["peak_rss_mb"] for r in mine),
+                    "x_baseline": statistics.median(ratios),
+                    "lost": max(r["audit"]["lost"] for r in mine),
+                    "twice": max(r["audit"]["ids_twice"] for r in mine),
+                    "load": statistics.median(r["load"] for r in mine),
+                }
+            )
+    return rows
+
+
+def plot(figures: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = figures["summary"]
+    sizes = sorted({r["events"] for r in rows})
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    width = 0.8 / len(VARIANTS)
+    for i, variant in enumerate(VARIANTS):
+        for ax, key, label in (
+            (axes[0], "rec_s", "records/s (median of rounds)"),
+            (axes[1], "rec_cpu_s", "records per CPU second"),
+            (axes[2], "peak_mb", "peak RSS, MB"),
+        ):
+            values = [next((r[key] for r in rows if r["events"] == s and r["variant"] == variant), 0) for s in sizes]
+            bars = ax.bar([j + i * width for j in range(len(sizes))], values, width, label=variant)
+            ax.bar_label(bars, fmt="%.0f", fontsize=7)
+            ax.set_title(label)
+            ax.set_xticks([j + width for j in range(len(sizes))], [f"{s:,} events" for s in sizes])
+    axes[0].legend()
+    fig.suptitle(
+        f"clicks job: hand-written baseline, Quix Streams 3.28.1 (exactly-once), beamflow local runner; "
+        f"load average {figures['load'][0]:.1f}",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--events", default="20000,200000")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--drill-events", type=int, default=200000, help="0: no crash drills")
+    parser.add_argument("--drill-frameworks", default=",".join(FRAMEWORKS))
+    parser.add_argument("--seed", type=int, default=18)
+    parser.add_argument("--json", default=".data/peers/peers.json")
+    parser.add_argument("--plot")
+    parser.add_argument("--keep-services", action="store_true")
+    parser.add_argument(
+        "--code", default="HEAD", help="git ref the baseline and beamflow run (exported), or 'worktree' (default HEAD)"
+    )
+    args = parser.parse_args(argv)
+
+    from beamflow.config import load_config, resolve_auto
+    from beamflow.services import ServiceSet
+    from beamflow.services.paths import data_dir
+
+    qpy = quix_python()
+    workdir = Path(data_dir()) / "peers"
+    workdir.mkdir(parents=True, exist_ok=True)
+    CODE_TREE[0] = code_tree(workdir, args.code)
+    print(f"baseline and beamflow run the code in {CODE_TREE[0]}", flush=True)
+    services = ServiceSet(data=workdir)
+    names = ["kafka", "postgres", "registry"]
+    try:
+        for name in names:
+            services.get(name).up()
+        conf = load_config("conf/clicks.yaml")
+        conf.pop("flink", None)  # the local runner's and Quix's job: no Flink endpoints to resolve
+        base = resolve_auto(conf, services)
+        base["kafka"]["bounded"] = True
+        load_at_start = os.getloadavg()
+        print(f"nproc={os.cpu_count()}, load average {load_at_start}", flush=True)
+        sizes = [int(s) for s in args.events.split(",") if s]
+        runs = throughput(base, workdir, sizes, args.rounds, args.variants.split(","), qpy) if sizes else []
+        figures: dict[str, Any] = {"load": load_at_start, "runs": runs, "summary": summary_rows(runs) if runs else []}
+        _save(args.json, figures)
+        if args.drill_events:
+            figures["drills"] = crash_drill(
+                base, workdir, args.drill_events, args.drill_frameworks.split(","), qpy, args.seed
+            )
+        figures["load_at_end"] = os.getloadavg()
+        _save(args.json, figures)
+        print(f"\n{'events':>8} {'variant':9} {'rec/s':>8} {'x base':>6} {'rec/CPU s':>9} {'peak MB':>7} lost twice")
+        for r in figures["summary"]:
+            print(
+                f"{r['events']:8,} {r['variant']:9} {r['rec_s']:8,.0f} {r['x_baseline']:6.2f} {r['rec_cpu_s']:9,.0f} "
+                f"{r['peak_mb']:7.0f} {r['lost']:4} {r['twice']:5}"
+            )
+        print(f"load average at start {load_at_start}, at end {figures['load_at_end']}")
+        if args.plot and figures["summary"]:
+            plot(figures, args.plot)
+            print(f"plot written to {args.plot}")
+    finally:
+        if not args.keep_services:
+            services.down(names)
+    return 0
+
+
+def _save(path: str, figures: dict[str, Any]) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(figures, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
