@@ -376,12 +376,17 @@ def summary_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             mine = [r for r in runs if r["events"] == size and r["variant"] == variant]
             if not mine:
                 continue
-            ratios = []
-            for r in mine:
-                [b] = [
-                    x for x in runs if x["events"] == size and x["round"] == r["round"] and x["variant"] == "baseline"
+
+            def same_round(r: dict[str, Any], other: str, size: int = size) -> list[float]:
+                """other's wall seconds / r's in r's round (empty if other did not run then)."""
+                return [
+                    x["seconds"] / r["seconds"]
+                    for x in runs
+                    if x["events"] == size and x["round"] == r["round"] and x["variant"] == other
                 ]
-                ratios.append(b["seconds"] / r["seconds"])
+
+            ratios = [x for r in mine for x in same_round(r, "baseline")]
+            over_quix = [x for r in mine for x in same_round(r, "quix")]
             rows.append(
                 {
                     "events": size,
@@ -390,7 +395,9 @@ def summary_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "rec_s": statistics.median(r["records"] / r["seconds"] for r in mine),
                     "rec_cpu_s": statistics.median(r["records"] / max(r["cpu_s"], 1e-9) for r in mine),
                     "peak_mb": max(r["peak_rss_mb"] for r in mine),
-                    "x_baseline": statistics.median(ratios),
+                    "x_baseline": statistics.median(ratios) if ratios else float("nan"),
+                    "x_quix": statistics.median(over_quix) if over_quix else float("nan"),
+                    "seconds": [round(r["seconds"], 1) for r in mine],
                     "lost": max(r["audit"]["lost"] for r in mine),
                     "twice": max(r["audit"]["ids_twice"] for r in mine),
                     "load": statistics.median(r["load"] for r in mine),
@@ -476,11 +483,14 @@ def main(argv: list[str] | None = None) -> int:
             )
         figures["load_at_end"] = os.getloadavg()
         _save(args.json, figures)
-        print(f"\n{'events':>8} {'variant':9} {'rec/s':>8} {'x base':>6} {'rec/CPU s':>9} {'peak MB':>7} lost twice")
+        print(
+            f"\n{'events':>8} {'variant':9} {'rec/s':>8} {'x base':>6} {'x quix':>6} {'rec/CPU s':>9} {'peak MB':>7} "
+            "lost twice  wall s (rounds)"
+        )
         for r in figures["summary"]:
             print(
-                f"{r['events']:8,} {r['variant']:9} {r['rec_s']:8,.0f} {r['x_baseline']:6.2f} {r['rec_cpu_s']:9,.0f} "
-                f"{r['peak_mb']:7.0f} {r['lost']:4} {r['twice']:5}"
+                f"{r['events']:8,} {r['variant']:9} {r['rec_s']:8,.0f} {r['x_baseline']:6.2f} {r['x_quix']:6.2f} "
+                f"{r['rec_cpu_s']:9,.0f} {r['peak_mb']:7.0f} {r['lost']:4} {r['twice']:5}  {r['seconds']}"
             )
         print(f"load average at start {load_at_start}, at end {figures['load_at_end']}")
         if args.plot and figures["summary"]:

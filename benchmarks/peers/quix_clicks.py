@@ -16,7 +16,8 @@ Runs in its own virtual environment (``benchmarks.peers.quix_env``), never in be
 - event ids from the same identifying fields with the same function as beamflow (``beamflow/event_id.py``, loaded
   by path: it is stdlib only);
 - dedup by event id in Quix state (RocksDB, changelog-backed; state is per message key = user_id, and a duplicate
-  send repeats the key);
+  send repeats the key), as its docs' fixed-window dedup recipe: written on the first encounter with an event-time
+  TTL (``dedup.ttl_s``);
 - 10-minute session windows per user with Quix's own ``session_window`` (new in 3.28; ``grace_ms`` = the job's
   allowed lateness), ``.final(closing_strategy="partition")``: each session emitted once, when the partition's event
   time has passed its last event + 2 gaps + grace. Quix has no end of input: the sessions still open when the topic
@@ -237,10 +238,14 @@ def build_app(config: dict[str, Any]) -> tuple[Application, dict[str, Any]]:
         event["_kafka"] = (ctx.topic, ctx.partition, ctx.offset)
         return event
 
+    dedup_ttl = dt.timedelta(seconds=int(config.get("dedup", {}).get("ttl_s", 86400)))
+
     def mark_duplicate(event: dict[str, Any], state: Any) -> dict[str, Any]:
+        # Quix's "fixed-window dedup" recipe (docs/advanced/stateful-processing.md): the id written on the first
+        # encounter only, with an event-time TTL (the job's dedup.ttl_s, as beamflow's dedup keeps ids)
         first_seen = state.get(event["event_id"])
         if first_seen is None:
-            state.set(event["event_id"], event["event_time"])
+            state.set(event["event_id"], event["event_time"], ttl=dedup_ttl)
         event["_first_seen"] = first_seen
         return event
 
