@@ -92,6 +92,9 @@ _FIXED = {"acks": "all", "enable.idempotence": True}
 # Bytes a record costs beyond key, value and headers in a v2 record batch (varints, attributes, the batch header when
 # it travels alone): kept conservative so a record judged to fit does fit.
 _RECORD_OVERHEAD = 128
+# A failed transaction is aborted briefly and the producer dropped either way: the next init_transactions aborts
+# whatever this abort did not.
+_ABORT_TIMEOUT_S = 10.0
 
 
 class KafkaWriteError(RuntimeError):
@@ -280,7 +283,7 @@ class AtLeastOnceWriter:
         if remaining or self._errors:
             errors, self._errors = self._errors, []
             raise KafkaWriteError(
-                f"topic {self.topic}: {remaining} records not acked after {self.flush_timeout_s:.0f}s, "
+                f"topic {self.topic}: {remaining} records unacked (waited up to {self.flush_timeout_s:.0f}s), "
                 f"{len(errors)} delivery errors: {errors[:3]}"
             )
         return count
@@ -686,6 +689,16 @@ class ExactlyOnceShardWriter:
                 except _TooLarge as exc:  # still the record's fault, not Kafka's
                     too_large.append(self.limit.too_large(record, str(exc)))
             self._phase("produced")
+            # commit_transaction would flush too; flushing first fails fast on delivery errors, before the marker
+            # (whose offset commit on a vanished partition would retry until the timeout).
+            remaining = producer.flush(self.timeout_s)
+            if remaining or self._errors:
+                with contextlib.suppress(KafkaException):
+                    producer.abort_transaction(_ABORT_TIMEOUT_S)
+                raise KafkaWriteError(
+                    f"shard {self.shard}: attempt {claim.attempt} aborted: {remaining} records unacked, "
+                    f"delivery errors: {self._errors[:3]}"
+                )
             self._send_marker(claim.attempt)
             producer.commit_transaction(self.timeout_s)
         except KafkaException as exc:
@@ -697,7 +710,7 @@ class ExactlyOnceShardWriter:
                 ) from exc
             if error is not None and error.txn_requires_abort():
                 with contextlib.suppress(KafkaException):
-                    producer.abort_transaction(self.timeout_s)
+                    producer.abort_transaction(_ABORT_TIMEOUT_S)
             raise KafkaWriteError(
                 f"shard {self.shard}: transaction of attempt {claim.attempt} failed ({exc}); "
                 f"delivery errors: {self._errors[:3]}"

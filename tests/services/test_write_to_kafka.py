@@ -1,0 +1,456 @@
+"""WriteToKafka and its engine on a real broker and a real PostgreSQL, counted by a plain ``read_committed`` consumer.
+
+Exactly-once through a SIGKILLed writer process at each hard moment (ledger claimed; records produced inside the open
+transaction; Kafka committed but the ledger not settled), then a fresh writer replaying the same input; two
+deliberately broken writers kept as tests, to show the count catches a missing ledger skip (duplicates) and a
+pending attempt trusted without its marker (loss). Zombies: a writer fenced by a newer one fails its write, its
+retry is not wedged, and a pending attempt is never decided by a writer that does not hold the newest epoch. The
+Beam transform on the local runner: a replayed pipeline writes nothing, records too large go to dead letters with
+their reason, a delivery failure fails the pipeline, at-least-once writes everything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import apache_beam as beam
+import pytest
+from apache_beam.metrics.metric import MetricsFilter
+from apache_beam.testing.util import assert_that, equal_to
+from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka.admin import AdminClient
+
+from beamflow.kafka.admin import create_topic
+from beamflow.kafka.producer import (
+    AtLeastOnceWriter,
+    ExactlyOnceShardWriter,
+    KafkaWriteError,
+    ProducerRecord,
+    ShardFenced,
+    ShardLedger,
+)
+from beamflow.services import ServiceState
+from runners.direct import local_options
+from transforms.write_to_kafka import WriteToKafka, close_shared_writers
+
+pytestmark = pytest.mark.services
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def read_committed(bootstrap: str, topic: str, timeout_s: float = 30.0) -> list[bytes]:
+    """Every value a ``read_committed`` consumer sees in ``topic``, read to the end (the last stable offset)."""
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"count-{uuid.uuid4().hex[:8]}",
+            "isolation.level": "read_committed",
+            "enable.auto.commit": False,
+        }
+    )
+    try:
+        partitions = sorted(consumer.list_topics(topic, timeout=10).topics[topic].partitions)
+        consumer.assign([TopicPartition(topic, p, 0) for p in partitions])
+        # For a read_committed consumer the high mark is the last stable offset; its position passes control records.
+        ends = {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in partitions}
+        values: list[bytes] = []
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            positions = consumer.position([TopicPartition(topic, p) for p in partitions])
+            if all(tp.offset >= ends[tp.partition] for tp in positions if ends[tp.partition] > 0):
+                return values
+            for message in consumer.consume(1000, 0.2):
+                value = message.value()
+                if message.error() is None and value is not None:
+                    values.append(value)
+        raise AssertionError(f"did not reach the end of {topic} in {timeout_s}s (at {len(values)} values)")
+    finally:
+        consumer.close()
+
+
+def exactly_once_problems(seen: list[bytes], expected: list[bytes]) -> list[str]:
+    counts = Counter(seen)
+    duplicated = sorted(v for v, n in counts.items() if n > 1)
+    missing = sorted(set(expected) - set(counts))
+    extra = sorted(set(counts) - set(expected))
+    problems = []
+    if duplicated:
+        problems.append(f"{len(duplicated)} duplicated, e.g. {duplicated[:3]}")
+    if missing:
+        problems.append(f"{len(missing)} missing, e.g. {missing[:3]}")
+    if extra:
+        problems.append(f"{len(extra)} unexpected, e.g. {extra[:3]}")
+    return problems
+
+
+def _records(n: int) -> list[ProducerRecord]:
+    return [ProducerRecord(f"result-{i:04d}".encode(), key=f"k{i % 7}".encode()) for i in range(n)]
+
+
+def _batches(records: list[ProducerRecord], size: int) -> list[list[ProducerRecord]]:
+    return [records[i : i + size] for i in range(0, len(records), size)]
+
+
+@pytest.fixture
+def topic(kafka: ServiceState) -> Iterator[str]:
+    name = f"sink-{uuid.uuid4().hex[:8]}"
+    create_topic(kafka.info["bootstrap"], name, 3)
+    yield name
+
+
+@pytest.fixture
+def ledger(postgres: ServiceState) -> Iterator[ShardLedger]:
+    shard_ledger = ShardLedger(postgres.info["dsn"], f"ledger_{uuid.uuid4().hex[:8]}")
+    yield shard_ledger
+    shard_ledger.close()
+
+
+# ---- crash at each hard moment ---------------------------------------------------------------------------------
+
+# A writer process that dies by SIGKILL at one phase of its second batch. At "produced" it first flushes, so the
+# records sit in the broker's log inside the open transaction (what a crash mid-transaction leaves behind).
+_CRASHING_WRITER = """
+import json, os, signal, sys
+from beamflow.kafka.producer import ExactlyOnceShardWriter, ProducerRecord, ShardLedger
+args = json.loads(sys.argv[1])
+
+class Crashing(ExactlyOnceShardWriter):
+    batch = 0
+
+    def _phase(self, name):
+        if self.batch == 1 and name == args["phase"]:
+            if name == "produced":
+                self._producer.flush(30)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+writer = Crashing(args["bootstrap"], args["topic"], args["group"], 0, ShardLedger(args["dsn"], args["table"]))
+for i, batch in enumerate(args["batches"]):
+    writer.batch = i
+    writer.write([ProducerRecord(v.encode(), key=k.encode()) for k, v in batch])
+raise SystemExit("not killed")
+"""
+
+
+class _NoLedgerSkip(ExactlyOnceShardWriter):
+    """Deliberately broken: never recognises a replay (the ledger skip disabled)."""
+
+    def _already_written(self, conn: Any, ids: list[str]) -> set[str]:
+        conn.execute(  # forget them, so recording them again does not collide
+            f"DELETE FROM {self.ledger.table} WHERE sink_group = %s AND record_id = ANY(%s)", (self.sink_group, ids)
+        )
+        return set()
+
+
+class _TrustsPending(ExactlyOnceShardWriter):
+    """Deliberately broken: takes a pending attempt as committed without asking its Kafka marker."""
+
+    def _resolve(self, conn: Any, attempt: int, committed: int) -> None:
+        conn.execute(
+            f"UPDATE {self.ledger.table}_shards SET pending = false, committed = %s "
+            "WHERE sink_group = %s AND shard = %s",
+            (attempt, self.sink_group, self.shard),
+        )
+
+
+CASES = [
+    ("claimed", ExactlyOnceShardWriter, "exactly once"),
+    ("produced", ExactlyOnceShardWriter, "exactly once"),
+    ("committed", ExactlyOnceShardWriter, "exactly once"),
+    ("committed", _NoLedgerSkip, "duplicated"),
+    ("produced", _TrustsPending, "missing"),
+]
+
+
+@pytest.mark.parametrize(
+    ("phase", "replayer", "outcome"), CASES, ids=[f"{p}-{r.__name__.strip('_')}" for p, r, _ in CASES]
+)
+def test_crash_at_each_moment_then_replay(
+    phase: str,
+    replayer: type[ExactlyOnceShardWriter],
+    outcome: str,
+    kafka: ServiceState,
+    postgres: ServiceState,
+    topic: str,
+    ledger: ShardLedger,
+) -> None:
+    bootstrap, group = kafka.info["bootstrap"], f"sink-group-{uuid.uuid4().hex[:6]}"
+    records = _records(150)
+    batches = _batches(records, 50)
+    args = {
+        "bootstrap": bootstrap,
+        "topic": topic,
+        "group": group,
+        "dsn": postgres.info["dsn"],
+        "table": ledger.table,
+        "phase": phase,
+        "batches": [[(r.key.decode(), r.value.decode()) for r in b if r.key and r.value] for b in batches],
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", _CRASHING_WRITER, json.dumps(args)], cwd=ROOT, capture_output=True, timeout=120
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    # The job restarts: a fresh writer gets the same input again, as a replay of every batch (bundles may differ).
+    writer = replayer(bootstrap, topic, group, 0, ledger)
+    try:
+        for batch in _batches(records, 40):
+            writer.write(batch)
+    finally:
+        writer.close()
+    problems = exactly_once_problems(read_committed(bootstrap, topic), [r.value for r in records if r.value])
+    if outcome == "exactly once":
+        assert problems == []
+        if phase == "committed":
+            assert writer.stats.recovered_committed == 1 and writer.stats.written == 50  # batch 2 only
+        else:
+            assert writer.stats.recovered_aborted == 1 and writer.stats.written == 100  # batches 1 and 2
+    else:  # the broken writer is caught by the same count
+        assert any(p.split(" ")[1].startswith(outcome) for p in problems), problems
+
+
+# ---- zombies -----------------------------------------------------------------------------------------------------
+
+
+def test_zombie_is_fenced_its_retry_is_not_wedged_and_nothing_doubles(
+    kafka: ServiceState, topic: str, ledger: ShardLedger
+) -> None:
+    bootstrap, group = kafka.info["bootstrap"], f"zombie-{uuid.uuid4().hex[:6]}"
+    batches = _batches(_records(120), 30)
+    old = ExactlyOnceShardWriter(bootstrap, topic, group, 1, ledger)
+    new = ExactlyOnceShardWriter(bootstrap, topic, group, 1, ledger)
+    late = ExactlyOnceShardWriter(bootstrap, topic, group, 1, ledger)
+    later = ExactlyOnceShardWriter(bootstrap, topic, group, 1, ledger)
+    try:
+        old.write(batches[0])
+        new.write(batches[1])  # init_transactions bumps the epoch: `old` is now a zombie
+        with pytest.raises(ShardFenced):  # it sees the shard moved on in the ledger before touching Kafka
+            old.write(batches[2])
+        # Retried (its bundle replayed), the old instance starts over: init_transactions fences `new` in turn.
+        old.write(batches[2])
+        with pytest.raises(ShardFenced):
+            new.write(batches[3])
+        new.write(batches[3])  # and `new`'s retry goes through too
+        # Fenced by Kafka itself: `late` claims in the ledger, then its transaction meets `later`'s newer epoch.
+        late._ensure_producer()
+        later._ensure_producer()
+        with pytest.raises(ShardFenced):
+            late.write([ProducerRecord(b"late-zombie", key=b"z")])
+        later.write(batches[0] + batches[1])  # decides late's pending attempt (aborted); the replays are skipped
+        assert later.stats.recovered_aborted == 1 and later.stats.skipped_replays == 60
+        assert (old.stats.fenced, new.stats.fenced, late.stats.fenced) == (1, 1, 1)
+    finally:
+        for writer in (old, new, late, later):
+            writer.close()
+    # Each batch once; the zombie's record was aborted in Kafka and is not visible.
+    expected = [r.value for b in batches for r in b if r.value]
+    assert exactly_once_problems(read_committed(bootstrap, topic), expected) == []
+
+
+def test_a_pending_attempt_is_not_decided_by_a_writer_without_the_newest_epoch(
+    kafka: ServiceState, topic: str, ledger: ShardLedger
+) -> None:
+    # B starts first, A later (A holds the newer epoch). A claims an attempt; before A commits it, B finds it
+    # pending with no marker. Deciding "aborted" on that alone would delete A's ids while A can still commit; B's
+    # fencing probe fails instead, nothing is decided, and A's commit stands.
+    bootstrap, group = kafka.info["bootstrap"], f"race-{uuid.uuid4().hex[:6]}"
+    records = _records(40)
+    writer_b = ExactlyOnceShardWriter(bootstrap, topic, group, 2, ledger)
+    writer_a = ExactlyOnceShardWriter(bootstrap, topic, group, 2, ledger)
+    try:
+        writer_b._ensure_producer()
+        writer_a._ensure_producer()
+        claim = writer_a._claim(records[:20])
+        with pytest.raises(ShardFenced):
+            writer_b.write(records[20:])
+        assert writer_b.stats.recovered_aborted == 0
+        writer_a._transaction(claim)
+        writer_a._settle(claim.attempt, [])
+        writer_a.write(records)  # the rest; the first 20 are recognised
+        assert writer_a.stats.skipped_replays == 20
+    finally:
+        writer_a.close()
+        writer_b.close()
+    assert exactly_once_problems(read_committed(bootstrap, topic), [r.value for r in records if r.value]) == []
+
+
+def test_refusals_of_the_engine(kafka: ServiceState, topic: str, ledger: ShardLedger) -> None:
+    bootstrap = kafka.info["bootstrap"]
+    with pytest.raises(ValueError, match="shards must be <= the topic's partitions"):
+        ExactlyOnceShardWriter(bootstrap, topic, "g", 3, ledger)  # the topic has partitions 0..2
+    group = f"one-topic-{uuid.uuid4().hex[:6]}"
+    writer = ExactlyOnceShardWriter(bootstrap, topic, group, 0, ledger)
+    writer.write(_records(3))
+    writer.close()
+    other = f"sink-{uuid.uuid4().hex[:8]}"
+    create_topic(bootstrap, other, 1)
+    stray = ExactlyOnceShardWriter(bootstrap, other, group, 0, ledger)
+    with pytest.raises(ValueError, match="one sink group per sink"):
+        stray.write(_records(3))
+    stray.close()
+
+
+def test_ledger_pruning_forgets_old_ids_but_never_a_pending_attempt(
+    kafka: ServiceState, topic: str, postgres: ServiceState
+) -> None:
+    import psycopg
+
+    ledger = ShardLedger(postgres.info["dsn"], f"ledger_{uuid.uuid4().hex[:8]}", retention_s=0.5)
+    group = f"prune-{uuid.uuid4().hex[:6]}"
+    writer = ExactlyOnceShardWriter(kafka.info["bootstrap"], topic, group, 0, ledger)
+    try:
+        writer.write(_records(10))
+        pending = writer._claim(_records(15)[10:])  # claimed, never committed: pending
+        time.sleep(1.0)
+        assert ledger.prune(group) == 10
+        with psycopg.connect(postgres.info["dsn"]) as conn:
+            row = conn.execute(f"SELECT count(*) FROM {ledger.table} WHERE attempt = %s", (pending.attempt,)).fetchone()
+        assert row is not None and row[0] == 5
+    finally:
+        writer.close()
+        ledger.close()
+
+
+# ---- the Beam transform on the local runner ----------------------------------------------------------------------
+
+
+def _counter(result: Any, name: str) -> int:
+    counters = result.metrics().query(MetricsFilter().with_name(name))["counters"]
+    return sum(c.committed or 0 for c in counters)
+
+
+def test_pipeline_replay_writes_nothing_and_too_large_goes_to_dead_letters(
+    kafka: ServiceState, postgres: ServiceState, topic: str
+) -> None:
+    bootstrap = kafka.info["bootstrap"]
+    results = [{"user": f"u{i}", "n": i} for i in range(300)]
+    huge = {"user": "huge", "n": -1, "blob": "x" * 1_200_000}  # above the producer's 1,000,000-byte default
+    group = f"beam-{uuid.uuid4().hex[:6]}"
+    written = []
+    try:
+        for _ in range(2):
+            with beam.Pipeline(options=local_options()) as p:
+                sink = (
+                    p
+                    | beam.Create([*results, huge, {"user": None}])
+                    | WriteToKafka(
+                        bootstrap,
+                        topic,
+                        mode="exactly-once",
+                        sink_group=group,
+                        ledger_dsn=postgres.info["dsn"],
+                        ledger_table="beam_kafka_ledger",
+                        shards=3,
+                        key_fn=lambda r: r["user"].encode(),  # fails for user None: a dead letter
+                        value_fn=json.dumps,
+                        id_fn=lambda r: r["user"],
+                        batch_size=64,
+                    )
+                )
+                reasons = sink.dead_letters | beam.Map(lambda d: (d.reason.split(":")[0], d.error))
+                assert_that(
+                    reasons,
+                    equal_to(
+                        [
+                            ("too large for the broker", "MSG_SIZE_TOO_LARGE"),
+                            ("cannot make a Kafka record", "AttributeError"),
+                        ]
+                    ),
+                )
+            written.append((_counter(p.result, "records_written"), _counter(p.result, "replays_skipped")))
+    finally:
+        close_shared_writers()
+    assert written == [(300, 0), (0, 300)]
+    expected = [json.dumps(r).encode() for r in results]
+    assert exactly_once_problems(read_committed(bootstrap, topic), expected) == []
+
+
+def test_at_least_once_writes_everything(kafka: ServiceState, topic: str) -> None:
+    bootstrap = kafka.info["bootstrap"]
+    values = [f"event-{i}".encode() for i in range(500)]
+    with beam.Pipeline(options=local_options()) as p:
+        sink = p | beam.Create(values) | WriteToKafka(bootstrap, topic, mode="at-least-once")
+        total = sink.written | beam.Map(lambda r: r["rows_written"]) | beam.CombineGlobally(sum)
+        assert_that(total, equal_to([500]))
+    assert sorted(read_committed(bootstrap, topic)) == sorted(values)
+
+
+class _DeleteTopicOnce(beam.DoFn):
+    """Deletes the topic before the first bundle: an at-least-once sink (same stage, opened before) then cannot
+    deliver; an exactly-once writer (a stage after the shuffle, opened later) finds the topic gone."""
+
+    def __init__(self, bootstrap: str, topic: str) -> None:
+        self._bootstrap, self._topic = bootstrap, topic
+
+    def setup(self) -> None:
+        self._deleted = False
+
+    def start_bundle(self) -> None:
+        if self._deleted:  # the first bundle deleted it
+            return
+        admin = AdminClient({"bootstrap.servers": self._bootstrap})
+        for future in admin.delete_topics([self._topic]).values():
+            future.result(30)
+        self._deleted = True
+
+    def process(self, element: Any) -> Iterator[Any]:
+        yield element
+
+
+@pytest.mark.parametrize("mode", ["at-least-once", "exactly-once"])
+def test_a_delivery_failure_fails_the_pipeline(mode: str, kafka: ServiceState, postgres: ServiceState) -> None:
+    bootstrap, topic = kafka.info["bootstrap"], f"doomed-{uuid.uuid4().hex[:8]}"
+    create_topic(bootstrap, topic, 1)
+    options: dict[str, Any] = {"producer_config": {"message.timeout.ms": 3000}, "mode": mode}
+    if mode == "exactly-once":
+        options.update(sink_group=f"doomed-{uuid.uuid4().hex[:6]}", ledger_dsn=postgres.info["dsn"], shards=1)
+    start = time.monotonic()
+    try:
+        with (
+            pytest.raises(Exception, match=r"Message timed out|does not exist"),
+            beam.Pipeline(options=local_options()) as p,
+        ):
+            (
+                p
+                | beam.Create([b"a", b"b", b"c"])
+                | beam.ParDo(_DeleteTopicOnce(bootstrap, topic))
+                | WriteToKafka(bootstrap, topic, **options)
+            )
+    finally:
+        close_shared_writers()
+    assert time.monotonic() - start < 60
+
+
+def test_a_missing_topic_fails_the_pipeline(kafka: ServiceState) -> None:
+    with (
+        pytest.raises(Exception, match="cannot read its configuration"),
+        beam.Pipeline(options=local_options()) as p,
+    ):
+        p | beam.Create([b"x"]) | WriteToKafka(kafka.info["bootstrap"], "no-such-topic", mode="at-least-once")
+
+
+def test_the_engine_fails_on_delivery_errors(kafka: ServiceState, ledger: ShardLedger) -> None:
+    bootstrap, topic = kafka.info["bootstrap"], f"gone-{uuid.uuid4().hex[:8]}"
+    create_topic(bootstrap, topic, 1)
+    at_least_once = AtLeastOnceWriter(bootstrap, topic, {"message.timeout.ms": 2000})
+    exactly_once = ExactlyOnceShardWriter(
+        bootstrap, topic, f"gone-{uuid.uuid4().hex[:6]}", 0, ledger, {"message.timeout.ms": 2000}
+    )
+    exactly_once.write([ProducerRecord(b"before")])
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    for future in admin.delete_topics([topic]).values():
+        future.result(30)
+    at_least_once.add(ProducerRecord(b"x"))
+    with pytest.raises(KafkaWriteError, match="Message timed out"):
+        at_least_once.flush()
+    with pytest.raises(KafkaWriteError, match=r"attempt 2 aborted: .* Message timed out"):
+        exactly_once.write([ProducerRecord(b"y")])
+    at_least_once.close()
+    exactly_once.close()
