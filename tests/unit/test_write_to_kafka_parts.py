@@ -1,0 +1,138 @@
+"""WriteToKafka's pure parts: record ids, shards, sizes, the refused configurations, elements -> records."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import apache_beam as beam
+import pytest
+from apache_beam.testing.util import assert_that, equal_to
+from apache_beam.transforms.window import TimestampedValue
+
+from beamflow.kafka.producer import (
+    DEFAULT_PRODUCER_CONFIG,
+    ProducerRecord,
+    SizeLimit,
+    build_producer_config,
+    check_producer_config,
+    record_size,
+    shard_of,
+)
+from runners.direct import local_options
+from transforms.sink_base import DEAD_LETTERS
+from transforms.write_to_kafka import WriteToKafka, _ToRecord
+
+DSN = "postgresql://postgres@127.0.0.1:5432/beamflow"
+
+
+def test_record_ids_are_deterministic_and_unambiguous() -> None:
+    assert ProducerRecord(b"v", b"k").identity() == ProducerRecord(b"v", b"k").identity()
+    assert ProducerRecord(b"bc", b"a").identity() != ProducerRecord(b"c", b"ab").identity()  # lengths are hashed
+    assert ProducerRecord(b"v", None).identity() != ProducerRecord(b"v", b"").identity()
+    assert (
+        ProducerRecord(b"v", headers=(("h", b"ab"),)).identity()
+        != ProducerRecord(b"v", headers=(("ha", b"b"),)).identity()
+    )
+    assert ProducerRecord(b"v", record_id="r1").identity() == "r1"
+
+
+def test_shards_follow_the_key_and_stay_in_range() -> None:
+    records = [ProducerRecord(f"v{i}".encode(), f"k{i % 10}".encode()) for i in range(1000)]
+    shards = [shard_of(r, 4) for r in records]
+    assert set(shards) == {0, 1, 2, 3}
+    by_key: dict[bytes | None, set[int]] = {}
+    for record, shard in zip(records, shards, strict=True):
+        by_key.setdefault(record.key, set()).add(shard)
+    assert all(len(s) == 1 for s in by_key.values())  # one key, one shard
+    unkeyed = ProducerRecord(b"x", record_id="id-1")
+    assert shard_of(unkeyed, 7) == shard_of(ProducerRecord(b"other", record_id="id-1"), 7)  # by id without a key
+
+
+def test_size_limit_splits_off_records_too_large() -> None:
+    limit = SizeLimit(1000, "write_to_kafka")
+    small, big = ProducerRecord(b"x" * 100, b"k"), ProducerRecord(b"x" * 1000, b"k", record_id="big")
+    assert record_size(small) < 1000 < record_size(big)
+    fit, dead = limit.split([small, big])
+    assert fit == [small]
+    assert [(d.error, d.reason.startswith("too large for the broker"), dict(d.attributes)) for d in dead] == [
+        ("MSG_SIZE_TOO_LARGE", True, {"record_id": "big"})
+    ]
+
+
+def test_seed_002_producer_defaults_are_overridable_but_the_guarantee_is_not() -> None:
+    assert DEFAULT_PRODUCER_CONFIG["batch.size"] == 128 * 1024
+    assert 50 <= DEFAULT_PRODUCER_CONFIG["linger.ms"] <= 100
+    assert DEFAULT_PRODUCER_CONFIG["compression.type"] == "lz4"
+    config = build_producer_config("b:9092", {"linger.ms": 5, "compression.type": "zstd", "batch.size": 1})
+    assert (config["linger.ms"], config["compression.type"], config["batch.size"]) == (5, "zstd", 1)
+    assert (config["acks"], config["enable.idempotence"]) == ("all", True)
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"transactional.id": "x"}, "transactional.id"),
+        ({"enable.idempotence": False}, "enable.idempotence"),
+        ({"acks": 1}, "acks=1"),
+        ({"isolation.level": "read_committed"}, "isolation.level"),
+    ],
+)
+def test_unsafe_producer_settings_are_refused(config: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        check_producer_config(config, exactly_once=True)
+    with pytest.raises(ValueError, match=message):
+        WriteToKafka(
+            "b:9092", "t", mode="exactly-once", sink_group="g", ledger_dsn=DSN, shards=1, producer_config=config
+        )
+
+
+def test_acks_all_and_idempotence_may_be_restated() -> None:
+    check_producer_config({"acks": "all", "enable.idempotence": True}, exactly_once=True)
+    check_producer_config({"acks": -1, "enable.idempotence": "true"}, exactly_once=False)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"mode": "exactly-twice"}, "mode must be one of"),
+        ({"mode": "exactly-once"}, "needs sink_group=, ledger_dsn= and shards="),
+        ({"mode": "exactly-once", "sink_group": "g", "ledger_dsn": DSN}, "needs sink_group="),
+        ({"mode": "exactly-once", "sink_group": "g", "ledger_dsn": DSN, "shards": -1}, "shards must be >= 1"),
+        (
+            {"mode": "exactly-once", "sink_group": "g", "ledger_dsn": DSN, "shards": 2, "ledger_retention_s": 60},
+            "would be written again",
+        ),
+        ({"mode": "exactly-once", "sink_group": "g", "ledger_dsn": DSN, "shards": 2, "batch_size": 0}, "batch_size"),
+        (
+            {"mode": "exactly-once", "sink_group": "g", "ledger_dsn": DSN, "shards": 2, "ledger_table": "x;y"},
+            "invalid ledger table",
+        ),
+        ({"mode": "at-least-once", "sink_group": "g"}, "takes no sink_group"),
+        ({"mode": "at-least-once", "shards": 3}, "takes no sink_group"),
+    ],
+)
+def test_configurations_that_cannot_be_safe_are_refused(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message) as raised:
+        WriteToKafka("b:9092", "t", **kwargs)
+    assert "\n" not in str(raised.value)  # one line
+
+
+def test_elements_become_records_with_their_event_time_or_dead_letters() -> None:
+    def describe(r: ProducerRecord) -> tuple[Any, ...]:
+        return (r.key, r.value, r.record_id, r.timestamp_ms)
+
+    with beam.Pipeline(options=local_options()) as p:
+        elements = (
+            p | beam.Create([{"u": "a", "n": 1}, {"u": None, "n": 2}]) | beam.Map(lambda e: TimestampedValue(e, 12.5))
+        )
+        out = elements | beam.ParDo(
+            _ToRecord(lambda e: e["u"].encode(), lambda e: str(e["n"]), lambda e: f"id-{e['n']}")
+        ).with_outputs(DEAD_LETTERS, main="records")
+        assert_that(out.records | beam.Map(describe), equal_to([(b"a", b"1", "id-1", 12500)]), label="records")
+        reasons = out[DEAD_LETTERS] | beam.Map(lambda d: (d.stage, d.error, d.reason.startswith("cannot make")))
+        assert_that(reasons, equal_to([("write_to_kafka", "AttributeError", True)]), label="dead")
+        given = p | "Given" >> beam.Create([ProducerRecord(b"v", b"k", record_id="r")])
+        passed = given | "Pass" >> beam.ParDo(_ToRecord(None, None, None)).with_outputs(DEAD_LETTERS, main="records")
+        assert_that(
+            passed.records | "Describe" >> beam.Map(describe), equal_to([(b"k", b"v", "r", None)]), label="as is"
+        )
