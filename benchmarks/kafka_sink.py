@@ -1,0 +1,227 @@
+"""WriteToKafka's records/s against a bare producer loop of the same client, same settings, same run.
+
+    .venv/bin/python -m benchmarks.kafka_sink [--records 100000] [--value-bytes 100] [--shards 4] [--repeat 2]
+
+Two pairs, each printed with its ratio:
+
+- ``exactly-once``: the transform (shards, GroupIntoBatches of ``--batch`` records, a Kafka transaction and a
+  ledger claim per batch) against one transactional producer committing a transaction every ``--batch`` records
+  (goal: >= 0.5x);
+- ``at-least-once``: the transform against one idempotent producer producing everything and flushing once
+  (goal: >= 0.7x).
+
+Both sides use seed 002's producer settings (``DEFAULT_PRODUCER_CONFIG``: 128 KB batches, linger 75 ms, lz4). The
+transform's figure includes pipeline start-up, as a user would see it; a second ("steady") figure takes it out using
+a 1,000-record run of the same transform: ``(records - 1000) / (seconds - seconds_for_1000)``. Each figure is the
+best of ``--repeat`` interleaved runs. The run audits itself: every topic written is read back with a plain
+``read_committed`` consumer, and the benchmark exits non-zero unless each side wrote each record exactly once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import apache_beam as beam
+from confluent_kafka import Consumer, Producer, TopicPartition
+
+from beamflow.kafka.admin import create_topic
+from beamflow.kafka.producer import DEFAULT_PRODUCER_CONFIG, ProducerRecord
+from beamflow.services import ServiceSet
+from beamflow.services.paths import data_dir
+from runners.direct import local_options
+from transforms.write_to_kafka import WriteToKafka, close_shared_writers
+
+SMALL = 1000
+
+
+def _value(i: int, size: int) -> bytes:
+    head = f"result-{i:09d}|".encode()
+    return head + b"x" * max(size - len(head), 0)
+
+
+def _key(i: int) -> bytes:
+    return f"driver-{i % 5000}".encode()
+
+
+def _config(bootstrap: str, **extra: Any) -> dict[str, Any]:
+    return {"bootstrap.servers": bootstrap, **DEFAULT_PRODUCER_CONFIG, **extra}
+
+
+def bare_transactional(bootstrap: str, topic: str, total: int, size: int, batch: int) -> float:
+    """One transactional producer, a transaction committed every ``batch`` records (no ledger, no framework)."""
+    producer = Producer(_config(bootstrap, **{"transactional.id": f"bench-{uuid.uuid4().hex[:8]}"}))
+    producer.init_transactions(60)
+    start = time.perf_counter()
+    for first in range(0, total, batch):
+        producer.begin_transaction()
+        for i in range(first, min(first + batch, total)):
+            _produce(producer, topic, _key(i), _value(i, size))
+        producer.commit_transaction(60)
+    seconds = time.perf_counter() - start
+    producer.close()
+    return total / seconds
+
+
+def bare_idempotent(bootstrap: str, topic: str, total: int, size: int) -> float:
+    """One idempotent producer: produce everything, one flush, every delivery report checked."""
+    errors: list[Any] = []
+
+    def on_delivery(err: Any, _msg: Any) -> None:
+        if err is not None:
+            errors.append(err)
+
+    producer = Producer(_config(bootstrap))
+    start = time.perf_counter()
+    for i in range(total):
+        _produce(producer, topic, _key(i), _value(i, size), on_delivery)
+    if producer.flush(120) or errors:
+        raise SystemExit(f"bare idempotent loop: delivery errors {errors[:3]}")
+    seconds = time.perf_counter() - start
+    producer.close()
+    return total / seconds
+
+
+def _produce(producer: Producer, topic: str, key: bytes, value: bytes, on_delivery: Any = None) -> None:
+    while True:
+        try:
+            producer.produce(topic, value, key, on_delivery=on_delivery)
+            return
+        except BufferError:
+            producer.poll(0.05)
+
+
+class _Generate(beam.DoFn):
+    """Records made inside the pipeline (a Create of 100,000 elements would measure Create's pickling)."""
+
+    def __init__(self, size: int, chunk: int) -> None:
+        self._size = size
+        self._chunk = chunk
+
+    def process(self, first: int) -> Iterator[ProducerRecord]:
+        for i in range(first, first + self._chunk):
+            yield ProducerRecord(_value(i, self._size), _key(i))
+
+
+def transform(bootstrap: str, dsn: str, topic: str, total: int, size: int, mode: str, shards: int, batch: int) -> float:
+    chunk = min(total, 1000)
+    kwargs: dict[str, Any] = {"mode": mode}
+    if mode == "exactly-once":
+        kwargs.update(
+            sink_group=f"bench-{uuid.uuid4().hex[:8]}",  # a fresh group per run: a reused one would skip everything
+            ledger_dsn=dsn,
+            ledger_table="bench_kafka_ledger",
+            shards=shards,
+            batch_size=batch,
+        )
+    start = time.perf_counter()
+    with beam.Pipeline(options=local_options()) as p:
+        (
+            p
+            | beam.Create(list(range(0, total, chunk)))
+            | beam.Reshuffle()  # the chunks spread over bundles, as records from a source would be
+            | beam.ParDo(_Generate(size, chunk))
+            | WriteToKafka(bootstrap, topic, **kwargs)
+        )
+    seconds = time.perf_counter() - start
+    close_shared_writers()
+    return total / seconds
+
+
+def audit(bootstrap: str, topic: str, total: int) -> str:
+    """Reads ``topic`` with read_committed; returns "" if every record is there exactly once, else what is wrong."""
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"audit-{uuid.uuid4().hex[:8]}",
+            "isolation.level": "read_committed",
+            "enable.auto.commit": False,
+        }
+    )
+    partitions = sorted(consumer.list_topics(topic, timeout=10).topics[topic].partitions)
+    consumer.assign([TopicPartition(topic, p, 0) for p in partitions])
+    ends = {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in partitions}
+    counts: Counter[bytes] = Counter()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        positions = consumer.position([TopicPartition(topic, p) for p in partitions])
+        if all(tp.offset >= ends[tp.partition] for tp in positions if ends[tp.partition] > 0):
+            break
+        for message in consumer.consume(10_000, 0.5):
+            value = message.value()
+            if message.error() is None and value is not None:
+                counts[value.split(b"|", 1)[0]] += 1
+    consumer.close()
+    duplicated = sum(1 for n in counts.values() if n > 1)
+    missing = total - len(counts)
+    return f"{topic}: {missing} missing, {duplicated} duplicated" if missing or duplicated else ""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--records", type=int, default=100_000)
+    parser.add_argument("--value-bytes", type=int, default=100)
+    parser.add_argument("--partitions", type=int, default=4)
+    parser.add_argument("--shards", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=1000, help="records per transaction, both sides")
+    parser.add_argument("--repeat", type=int, default=2, help="interleaved runs per figure; the best counts")
+    parser.add_argument("--data", default=str(Path(data_dir()) / "bench-kafka-sink"))
+    args = parser.parse_args()
+    services = ServiceSet(data=Path(args.data))
+    states = services.up(["kafka", "postgres"])
+    bootstrap, dsn = states["kafka"].info["bootstrap"], states["postgres"].info["dsn"]
+    total, size = args.records, args.value_bytes
+    print(
+        f"{total:,} records of {size} bytes, {args.partitions} partitions, {args.shards} shards, transactions of "
+        f"{args.batch}; nproc={os.cpu_count()}, load average {os.getloadavg()[0]:.1f}"
+    )
+
+    def fresh_topic() -> str:
+        topic = f"bench-sink-{uuid.uuid4().hex[:8]}"
+        create_topic(bootstrap, topic, args.partitions)
+        return topic
+
+    problems: list[str] = []
+    rows = []
+    try:
+        for mode, goal in (("exactly-once", 0.5), ("at-least-once", 0.7)):
+            bare = full = small = 0.0
+            for _ in range(args.repeat):
+                topic = fresh_topic()
+                if mode == "exactly-once":
+                    bare = max(bare, bare_transactional(bootstrap, topic, total, size, args.batch))
+                else:
+                    bare = max(bare, bare_idempotent(bootstrap, topic, total, size))
+                problems.append(audit(bootstrap, topic, total))
+                topic = fresh_topic()
+                full = max(full, transform(bootstrap, dsn, topic, total, size, mode, args.shards, args.batch))
+                problems.append(audit(bootstrap, topic, total))
+                topic = fresh_topic()
+                small = max(small, transform(bootstrap, dsn, topic, SMALL, size, mode, args.shards, args.batch))
+                problems.append(audit(bootstrap, topic, SMALL))
+            steady = (total - SMALL) / max(total / full - SMALL / small, 1e-9)
+            rows.append((mode, bare, full, steady, goal))
+    finally:
+        services.down(["kafka", "postgres"])
+    print(f"{'mode':14} {'bare rec/s':>11} {'transform rec/s':>16} {'ratio':>6} {'steady rec/s':>13} {'ratio':>6} goal")
+    for mode, bare, full, steady, goal in rows:
+        print(
+            f"{mode:14} {bare:11,.0f} {full:16,.0f} {full / bare:6.2f} {steady:13,.0f} {steady / bare:6.2f} >= {goal}"
+        )
+    print(
+        f"(steady = without the start-up measured on a {SMALL:,}-record run; load average now {os.getloadavg()[0]:.1f})"
+    )
+    failed = [p for p in problems if p]
+    if failed:
+        raise SystemExit("AUDIT FAILED: " + "; ".join(failed))
+    print("audit: every topic read back with read_committed holds each record exactly once")
+
+
+if __name__ == "__main__":
+    main()
