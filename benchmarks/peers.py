@@ -55,6 +55,7 @@ FRAMEWORKS = ("quix", "beamflow")
 RUN_TIMEOUT_S = 1800
 CODE_TREE = [REPO]  # set by main (--code)
 ZOMBIE_WAIT_S = 240
+LARGE = 100_000  # --rounds-large applies from this many events on
 # Quix tuning (see docs/benchmarks.md): the same librdkafka fetch settings beamflow's consumer uses, and a 5 s commit
 # interval (Quix's default, and the baseline's Iceberg append interval).
 QUIX_CONSUMER_CONFIG = {
@@ -240,14 +241,21 @@ def produce(base: dict[str, Any], events: int, duplicate_share: float, tag: str)
 
 
 def throughput(
-    base: dict[str, Any], workdir: Path, sizes: list[int], rounds: int, variants: list[str], qpy: str
+    base: dict[str, Any],
+    workdir: Path,
+    sizes: list[int],
+    rounds: int,
+    variants: list[str],
+    qpy: str,
+    rounds_large: int | None = None,
 ) -> list[dict[str, Any]]:
     out = []
     for size in sizes:
+        size_rounds = rounds_large if rounds_large is not None and size >= LARGE else rounds
         tag = uuid.uuid4().hex[:6]
         topic, expected, records = produce(base, size, 0.02, f"{size}-{tag}")
         print(f"\n{records:,} records ({size:,} events) in {topic}; load average {os.getloadavg()[0]:.1f}", flush=True)
-        for r in range(rounds):
+        for r in range(size_rounds):
             order = variants[r % len(variants) :] + variants[: r % len(variants)]
             for variant in order:
                 config = variant_config(
@@ -407,30 +415,57 @@ def summary_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def plot(figures: dict[str, Any], path: str) -> None:
+    """Records/s, records per CPU second and peak RSS per variant and size; the drills' audit if they ran."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = figures["summary"]
+    drills = figures.get("drills")
     sizes = sorted({r["events"] for r in rows})
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    fig, axes = plt.subplots(1, 4 if drills else 3, figsize=(20 if drills else 15, 4.8))
     width = 0.8 / len(VARIANTS)
     for i, variant in enumerate(VARIANTS):
         for ax, key, label in (
             (axes[0], "rec_s", "records/s (median of rounds)"),
-            (axes[1], "rec_cpu_s", "records per CPU second"),
-            (axes[2], "peak_mb", "peak RSS, MB"),
+            (axes[1], "rec_cpu_s", "records per CPU second (median)"),
+            (axes[2], "peak_mb", "peak RSS, MB (max of rounds)"),
         ):
             values = [next((r[key] for r in rows if r["events"] == s and r["variant"] == variant), 0) for s in sizes]
             bars = ax.bar([j + i * width for j in range(len(sizes))], values, width, label=variant)
             ax.bar_label(bars, fmt="%.0f", fontsize=7)
-            ax.set_title(label)
+            ax.set_title(label, fontsize=10)
             ax.set_xticks([j + width for j in range(len(sizes))], [f"{s:,} events" for s in sizes])
-    axes[0].legend()
+    axes[0].legend(fontsize=8)
+    if drills:
+        ax = axes[3]
+        labels, lost, twice, extra = [], [], [], []
+        for framework in FRAMEWORKS:
+            if framework not in drills:
+                continue
+            clean = drills[framework]["crash"]["probe"]["audit"]
+            for what in ("crash", "zombie"):
+                a = drills[framework][what]["audit"]
+                labels.append(f"{framework}\n{what}")
+                lost.append(a["lost"])
+                twice.append(a["ids_twice"])
+                extra.append(max(0, versus_clean(a, clean)["session_events_extra"]))
+        x = range(len(labels))
+        for k, (values, label) in enumerate(
+            ((lost, "events lost"), (twice, "ids twice in Iceberg"), (extra, "events counted twice in sessions"))
+        ):
+            bars = ax.bar([j + k * 0.27 for j in x], values, 0.27, label=label)
+            ax.bar_label(bars, fontsize=7)
+        ax.set_xticks([j + 0.27 for j in x], labels, fontsize=8)
+        ax.set_title(
+            f"crash drill (3 SIGKILLs) and zombie, {drills['events']:,} events + 5% duplicate sends", fontsize=9
+        )
+        ax.legend(fontsize=7)
+    load = figures.get("load_during") or figures["load"]
     fig.suptitle(
-        f"clicks job: hand-written baseline, Quix Streams 3.28.1 (exactly-once), beamflow local runner; "
-        f"load average {figures['load'][0]:.1f}",
+        f"clicks job: hand-written baseline, Quix Streams 3.28.1 (exactly-once), beamflow local runner; nproc 2, "
+        f"load average {min(load):.0f} to {max(load):.0f} (other engineers' jobs on the same cores)",
         fontsize=10,
     )
     fig.tight_layout()
@@ -441,17 +476,26 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--events", default="20000,200000")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--rounds-large", type=int, help=f"rounds at {LARGE:,} events and more (default: --rounds); Quix is slow there"
+    )
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--drill-events", type=int, default=200000, help="0: no crash drills")
     parser.add_argument("--drill-frameworks", default=",".join(FRAMEWORKS))
     parser.add_argument("--seed", type=int, default=18)
     parser.add_argument("--json", default=".data/peers/peers.json")
     parser.add_argument("--plot")
+    parser.add_argument("--replot", metavar="JSON", help="only redraw --plot from a saved --json")
     parser.add_argument("--keep-services", action="store_true")
     parser.add_argument(
         "--code", default="HEAD", help="git ref the baseline and beamflow run (exported), or 'worktree' (default HEAD)"
     )
     args = parser.parse_args(argv)
+    if args.replot:
+        saved = json.loads(Path(args.replot).read_text())
+        saved.setdefault("load_during", [r["load"] for r in saved["runs"]] + [saved["load_at_end"][0]])
+        plot(saved, args.plot or "docs/peers.png")
+        return 0
 
     from beamflow.config import load_config, resolve_auto
     from beamflow.services import ServiceSet
@@ -474,7 +518,11 @@ def main(argv: list[str] | None = None) -> int:
         load_at_start = os.getloadavg()
         print(f"nproc={os.cpu_count()}, load average {load_at_start}", flush=True)
         sizes = [int(s) for s in args.events.split(",") if s]
-        runs = throughput(base, workdir, sizes, args.rounds, args.variants.split(","), qpy) if sizes else []
+        runs = (
+            throughput(base, workdir, sizes, args.rounds, args.variants.split(","), qpy, args.rounds_large)
+            if sizes
+            else []
+        )
         figures: dict[str, Any] = {"load": load_at_start, "runs": runs, "summary": summary_rows(runs) if runs else []}
         _save(args.json, figures)
         if args.drill_events:
