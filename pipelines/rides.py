@@ -377,6 +377,11 @@ def _kafka_sink(job: JobConfig) -> beam.PTransform:
             "ledger_table": sink.ledger_table,
             "shards": sink.shards,
         }
+        if kafka.bounded:
+            # A bounded batch run flushes every shard's last batch when its input ends; the buffering timer (a
+            # processing-time timer) is for streams. The local runner leaves such a timer pending when it runs out of
+            # other work first (a small run: "time-pending bundles did not execute") and fails the pipeline.
+            exactly_once["max_buffering_s"] = None
     return WriteToKafka(
         sink.bootstrap or kafka.bootstrap,
         sink.topic,
