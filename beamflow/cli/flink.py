@@ -14,11 +14,13 @@ from pathlib import Path
 from beamflow.flink_rest import FlinkRest, FlinkRestError
 from beamflow.services import ServiceError, ServiceSet
 
-# Why ``--drain`` is refused (seen on Flink 1.19.3 + Beam 2.62, see docs/streaming.md): a drain ends every source
-# and waits for every operator to finish, but a streaming Kafka read never finishes: its splittable DoFn always leaves
-# a self-checkpoint (a processing-time timer holding the watermark), which Beam's Flink operator refuses to finish
-# with, so the task fails and Flink declines the savepoint (CheckpointException). Beam added drain for Flink after
-# 2.62 (apache/beam#38786).
+# Why ``--drain`` is refused (Flink 1.19.3 + Beam 2.62, the fault drill in tests/flink/test_drills.py tries it every
+# run and fails if it ever works): a draining stop must end every source and let every operator finish before its
+# savepoint completes, but the streaming Kafka read is a splittable DoFn over an unbounded restriction: it always
+# defers a residual and never reports itself done, so its stage never finishes and the draining savepoint expires
+# ("CheckpointException: Checkpoint expired before completing", observed in the drill).
+# Related upstream reports: apache/beam#28554 (drain fails on Flink with a watermark hold); Beam's drain support for
+# Flink (apache/beam#38786) is for the Java SDK's PipelineResult, after 2.62.
 DRAIN_REFUSED = (
     "--drain is not supported for Beam streaming jobs on this runner (Beam 2.62): the Kafka read never finishes, "
     "so Flink declines the draining savepoint; use `savepoint JOB --stop` (no data is lost: the restored job "
