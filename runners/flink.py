@@ -242,6 +242,11 @@ def _environment_flags(environment: Any) -> list[str]:
     if kind not in {"LOOPBACK", "EXTERNAL", "PROCESS", "DOCKER"}:
         raise ValueError(f"unknown environment type {kind!r}")
     flags = [f"--environment_type={kind}"]
+    if kind == "LOOPBACK":
+        from runners.worker_pool import bind_loopback_worker_pool
+
+        # Beam's in-process pool binds [::]; beamflow's binds 127.0.0.1 (runners/worker_pool.py says why and how).
+        bind_loopback_worker_pool()
     if kind == "PROCESS":
         command = settings.get("command")
         if not command:

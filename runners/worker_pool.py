@@ -16,11 +16,18 @@ pickled functions and Beam's protos are only compatible within one apache-beam v
 
 Why not ``apache_beam.runners.worker.worker_pool_main`` directly: it binds every interface (``[::]``) and cannot be
 told otherwise; a worker pool executes whatever code a caller sends it, so beamflow binds loopback unless told.
+
+The same holds for the LOOPBACK environment: Beam's portable runner starts its in-process pool with
+``BeamFnExternalWorkerPoolServicer.start``, which binds ``[::]`` too and has no parameter for the host.
+``bind_loopback_worker_pool()`` (called by ``runners.flink`` for every LOOPBACK submission) replaces that one
+classmethod in this process with ``loopback_start``, which binds 127.0.0.1: Beam has no hook for it, and the
+replacement is confined to the submitting process and to that method (the pool's servicer is Beam's own).
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import json
 import logging
@@ -35,7 +42,16 @@ from apache_beam.portability.api import beam_fn_api_pb2_grpc
 from apache_beam.runners.worker.worker_pool_main import BeamFnExternalWorkerPoolServicer
 from apache_beam.utils import thread_pool_executor
 
-__all__ = ["VERSIONS_METHOD", "local_versions", "main", "pool_versions", "start_worker_pool"]
+__all__ = [
+    "BEAM_START",
+    "VERSIONS_METHOD",
+    "bind_loopback_worker_pool",
+    "local_versions",
+    "loopback_start",
+    "main",
+    "pool_versions",
+    "start_worker_pool",
+]
 
 # A gRPC method of beamflow's own beside Beam's worker pool service: empty request, JSON of ``local_versions()``.
 VERSIONS_METHOD = "/beamflow.WorkerPool/Versions"
@@ -90,6 +106,53 @@ def start_worker_pool(host: str = "127.0.0.1", port: int = 0) -> tuple[str, grpc
     server.add_generic_rpc_handlers((_versions_handler(),))
     server.start()
     return f"{host}:{bound}", server
+
+
+def loopback_start(
+    cls: type[BeamFnExternalWorkerPoolServicer],
+    use_process: bool = False,
+    port: int = 0,
+    state_cache_size: int = 0,
+    data_buffer_time_limit_ms: int = -1,
+    container_executable: str | None = None,
+) -> tuple[str, grpc.Server]:
+    """``BeamFnExternalWorkerPoolServicer.start`` (same parameters and result) on 127.0.0.1 instead of ``[::]``."""
+    server = grpc.server(
+        thread_pool_executor.shared_unbounded_instance(),
+        options=[("grpc.http2.max_pings_without_data", 0), ("grpc.http2.max_ping_strikes", 0)],
+    )
+    bound = server.add_insecure_port(f"127.0.0.1:{port}")
+    if bound == 0:
+        raise RuntimeError(f"could not bind the LOOPBACK worker pool to 127.0.0.1:{port}")
+    pool = cls(
+        use_process=use_process,
+        container_executable=container_executable,
+        state_cache_size=state_cache_size,
+        data_buffer_time_limit_ms=data_buffer_time_limit_ms,
+    )
+    beam_fn_api_pb2_grpc.add_BeamFnExternalWorkerPoolServicer_to_server(pool, server)
+    server.start()
+    _LOG.info("LOOPBACK worker pool listening on 127.0.0.1:%s", bound)
+
+    def stop_workers() -> None:  # as Beam's start: worker processes end with this process
+        from apache_beam.runners.worker.worker_pool_main import kill_process_gracefully
+
+        for process in list(pool._worker_processes.values()):
+            kill_process_gracefully(process)
+
+    atexit.register(stop_workers)
+    return f"127.0.0.1:{bound}", server
+
+
+# Beam's own classmethod, before bind_loopback_worker_pool replaces it (tests show that it binds every interface).
+BEAM_START = BeamFnExternalWorkerPoolServicer.__dict__["start"]
+
+
+def bind_loopback_worker_pool() -> None:
+    """Makes Beam's LOOPBACK pool in this process bind 127.0.0.1 (``loopback_start``); idempotent."""
+    current = BeamFnExternalWorkerPoolServicer.__dict__.get("start")
+    if getattr(getattr(current, "__func__", None), "__name__", "") != loopback_start.__name__:
+        BeamFnExternalWorkerPoolServicer.start = classmethod(loopback_start)  # type: ignore[method-assign,assignment]
 
 
 def _this_python_first() -> None:

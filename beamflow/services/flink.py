@@ -22,14 +22,29 @@ picked free and bound to 127.0.0.1; configuration lives in ``<data>/flink/conf/c
 cluster and the job server alike, so cluster-side defaults such as the state backend, checkpoint storage and retention
 also apply to jobs the job server builds).
 
-One port binding is not ours to choose: Beam 2.62's job server uses ``--job-host`` only for the URLs it hands out and
-binds its job and artifact-staging ports on all interfaces (the expansion port does bind 127.0.0.1).
+Loopback only, Beam's servers included. Beam 2.62 binds its gRPC servers with ``NettyServerBuilder.forPort``, every
+interface, whatever ``--job-host`` says, and offers no option for it; two small Java classes of beamflow's own
+(``beamflow/services/java/``, compiled with ``javac`` against the job server's classpath at setup, cached under
+``<cache>/beamflow-java/`` by a hash of their sources, rebuilt when missing) close that:
+
+* the job server runs ``beamflow.launcher.LoopbackJobServer`` instead of ``FlinkJobServerDriver``: the same arguments,
+  invoker and driver code (``JobServerDriver``'s protected constructor), with job and artifact servers built by a
+  loopback server factory (the expansion server binds ``--job-host`` itself);
+* the TaskManagers' Fn API servers for the Python workers come from ``ServerFactory.createDefault()``, which no
+  option or hook reaches: ``0-beamflow-loopback-fn-servers.jar`` holds beamflow's own
+  ``org.apache.beam.sdk.fn.server.ServerFactory`` (Beam's public API, binding 127.0.0.1). It is first on the
+  cluster's classpath (``lib/``, which Flink's ``config.sh`` sorts) and first on the job server's, whose classpath
+  Beam 2.62 stages in order as every job's jars (which a TaskManager loads child-first): either way it is loaded
+  instead of Beam's. Only that class changes, only on this cluster and its jobs.
+
+``tests/flink/test_loopback_only.py`` lists every listening socket of the services with a job running.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import os
 import shutil
 import signal
@@ -62,7 +77,7 @@ from beamflow.services.fetch import maven_classpath, pypi_download
 from beamflow.services.gobuild import go_install
 from beamflow.services.paths import project_root
 
-__all__ = ["BEAM_VERSION", "FLINK_VERSION", "FlinkService", "runner_jars"]
+__all__ = ["BEAM_VERSION", "FLINK_VERSION", "FlinkService", "compile_java", "java_jar", "runner_jars"]
 
 FLINK_VERSION = "1.19.3"
 BEAM_VERSION = "2.62.0"
@@ -75,7 +90,13 @@ JOB_SERVER_COORDINATES = (
     # The runner logs through slf4j 1.7 (its resolved API version); without a binding its logs are lost.
     "org.slf4j:slf4j-simple:1.7.30",
 )
-JOB_SERVER_MAIN = "org.apache.beam.runners.flink.FlinkJobServerDriver"
+# Beam's FlinkJobServerDriver, with its job and artifact servers bound to loopback (java/launcher/, see above).
+JOB_SERVER_MAIN = "beamflow.launcher.LoopbackJobServer"
+# Java sources of beamflow's own, compiled at setup (one folder per class folder or jar).
+JAVA_SOURCES = Path(__file__).resolve().parent / "java"
+# First in the cluster's lib/ (sorted by name): its ServerFactory is loaded ahead of Beam's.
+FN_SERVERS_JAR = "0-beamflow-loopback-fn-servers.jar"
+LAUNCHER_JAR = "beamflow-loopback-job-server.jar"
 # Beam's Python SDK container entry point (boot.go), the PROCESS environment's command.
 BOOT_PACKAGE = "github.com/apache/beam/sdks/v2/python/container"
 BOOT_VERSION = f"v{BEAM_VERSION}"
@@ -172,7 +193,18 @@ class FlinkService(LocalService):
     def install(self) -> None:
         self._install_distribution()
         self._job_server_classpath()
+        self.launcher_jar()
+        self.fn_servers_jar()
         self.boot_binary()
+
+    def launcher_jar(self) -> Path:
+        """``beamflow.launcher.LoopbackJobServer`` compiled against the job server's classpath, as a jar (the job
+        server hands its classpath entries to Flink, which accepts jars only)."""
+        return java_jar(JAVA_SOURCES / "launcher", self._job_server_classpath(), self.cache_dir, LAUNCHER_JAR)
+
+    def fn_servers_jar(self) -> Path:
+        """beamflow's loopback ``ServerFactory`` for the TaskManagers, as a jar to put first in ``lib/``."""
+        return java_jar(JAVA_SOURCES / "fnservers", self._job_server_classpath(), self.cache_dir, FN_SERVERS_JAR)
 
     def boot_binary(self) -> Path:
         """Beam's Python SDK ``boot`` (the PROCESS environment's command), built once from the Go module proxy."""
@@ -292,6 +324,8 @@ class FlinkService(LocalService):
         self.lib_dir.mkdir(parents=True)
         for jar in [*sorted((self.flink_home / "lib").glob("*.jar")), *runner_jars(self._job_server_classpath())]:
             (self.lib_dir / jar.name).symlink_to(jar)
+        # Sorted first on the classpath: the TaskManagers' Fn API servers bind loopback (see the module docstring).
+        (self.lib_dir / FN_SERVERS_JAR).symlink_to(self.fn_servers_jar())
         self.marker_jar.parent.mkdir(parents=True, exist_ok=True)
         with zipfile.ZipFile(self.marker_jar, "w") as jar_file:
             jar_file.writestr("META-INF/MANIFEST.MF", "Manifest-Version: 1.0\nCreated-By: beamflow\n")
@@ -343,7 +377,12 @@ class FlinkService(LocalService):
             "-Dorg.slf4j.simpleLogger.defaultLogLevel=info",
             "-Dorg.slf4j.simpleLogger.showDateTime=true",
             "-Dorg.slf4j.simpleLogger.dateTimeFormat=yyyy-MM-dd HH:mm:ss.SSS",
-            "-cp", f"{classpath}/*", JOB_SERVER_MAIN,
+            # The fn-servers jar first: Beam 2.62's job server stages its own classpath, in order, as the job's
+            # jars (FlinkJobInvoker: detectClassPathResourcesToStage, whatever --files_to_stage says), and the
+            # TaskManagers load a job's classes child-first from them: so beamflow's ServerFactory is the one they
+            # load, as it is from lib/ when Beam comes from the cluster's classpath.
+            "-cp", os.pathsep.join([str(self.fn_servers_jar()), str(self.launcher_jar()), f"{classpath}/*"]),
+            JOB_SERVER_MAIN,
             f"--flink-master=127.0.0.1:{ports['rest']}",
             f"--flink-conf-dir={self.conf_dir}",
             "--job-host=127.0.0.1",
@@ -506,6 +545,60 @@ class FlinkService(LocalService):
         if state is None or not state.ports:
             raise ServiceError(f"Flink is not running under {self.home}; start it with `beamflow services up flink`")
         return state
+
+
+def compile_java(sources: Path, classpath: Path, cache_dir: Path) -> Path:
+    """``javac`` of every ``.java`` under ``sources`` against ``classpath/*``; returns the class folder.
+
+    Cached under ``<cache>/beamflow-java/<folder>-<hash>/classes``, the hash over the sources, the classpath's name and
+    javac's version: an edited source or another Beam is compiled afresh, a missing folder is rebuilt.
+    """
+    files = sorted(sources.rglob("*.java"))
+    if not files:
+        raise ServiceError(f"no Java sources under {sources}")
+    javac = shutil.which("javac")
+    if javac is None:
+        raise ServiceError("compiling beamflow's job-server launcher needs `javac` (a JDK 17, Debian's openjdk-17-jdk)")
+    version = subprocess.run([javac, "-version"], capture_output=True, text=True, check=False)
+    digest = hashlib.sha256((version.stdout + version.stderr + Path(classpath).name).encode())
+    for path in files:
+        digest.update(path.relative_to(sources).as_posix().encode() + b"\0" + path.read_bytes())
+    target = cache_dir / "beamflow-java" / f"{sources.name}-{digest.hexdigest()[:16]}"
+    classes = target / "classes"
+    if (target / ".complete").exists() and classes.is_dir():
+        return classes
+    shutil.rmtree(target, ignore_errors=True)
+    staging = target.with_name(target.name + f".partial-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    (staging / "classes").mkdir(parents=True)
+    result = subprocess.run(
+        [javac, "--release", "17", "-nowarn", "-encoding", "UTF-8", "-d", str(staging / "classes"),
+         "-cp", f"{classpath}/*", *map(str, files)],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if result.returncode != 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise ServiceError(f"javac failed on {sources}:\n{(result.stdout + result.stderr)[-3000:]}")
+    (staging / ".complete").write_text("\n".join(p.name for p in files) + "\n")
+    try:
+        staging.rename(target)
+    except OSError:  # another process built the same hash meanwhile
+        shutil.rmtree(staging, ignore_errors=True)
+    return classes
+
+
+def java_jar(sources: Path, classpath: Path, cache_dir: Path, name: str) -> Path:
+    """``compile_java``'s classes as the jar ``name`` beside them (built once per hash)."""
+    classes = compile_java(sources, classpath, cache_dir)
+    jar = classes.parent / name
+    if not jar.exists():
+        partial = jar.with_name(f"{name}.partial-{os.getpid()}")
+        with zipfile.ZipFile(partial, "w") as out:
+            out.writestr("META-INF/MANIFEST.MF", "Manifest-Version: 1.0\nCreated-By: beamflow\n")
+            for path in sorted(classes.rglob("*.class")):
+                out.write(path, path.relative_to(classes).as_posix())
+        partial.replace(jar)
+    return jar
 
 
 def _alive(roles: dict[str, int]) -> bool:
