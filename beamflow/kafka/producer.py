@@ -72,6 +72,7 @@ __all__ = [
     "build_producer_config",
     "check_producer_config",
     "fetch_size_limit",
+    "ledger_key",
     "record_size",
     "shard_of",
     "topic_partition_count",
@@ -323,10 +324,14 @@ def _produce(producer: Any, topic: str, record: ProducerRecord, on_delivery: Cal
 class ShardLedger:
     """The PostgreSQL side of exactly-once: which record ids each sink group has written, and each shard's attempt.
 
-    Tables ``<table>`` (sink_group, record_id) -> (shard, attempt, written_at) and ``<table>_shards`` (sink_group,
-    shard) -> (topic, attempt, pending, committed). Ids older than ``retention_s`` are pruned (at most every
-    ``prune_every_s`` per writer): a record replayed after that long is written again, so keep it longer than the
-    longest outage plus the job's replay window (the source's offset lag at a restore).
+    Tables ``<table>`` (sink_group, record_key) -> (shard, attempt), ``record_key`` the hex of a 16-byte digest of the
+    record id (``ledger_key``: a short fixed-size key keeps the index small whatever ids look like; text, because
+    psycopg adapts a text array several times faster than a bytea array); ``<table>_shards``
+    (sink_group, shard) -> (topic, attempt, pending, committed); ``<table>_attempts`` (sink_group, shard, attempt) ->
+    written_at, one row per claimed attempt, so the big table needs no timestamp column nor a second index. Ids older
+    than ``retention_s`` are pruned (at most every ``prune_every_s`` per writer): a record replayed after that long
+    is written again, so keep it longer than the longest outage plus the job's replay window (the source's offset lag
+    at a restore).
     """
 
     def __init__(self, dsn: str, table: str, retention_s: float = 7 * 86400, prune_every_s: float = 600.0) -> None:
@@ -334,7 +339,7 @@ class ShardLedger:
         from beamflow.postgres.writer import open_pool
 
         validate_identifier(table, "ledger table")
-        validate_identifier(f"{table}_shards", "ledger table (with its _shards suffix)")
+        validate_identifier(f"{table}_attempts", "ledger table (with its _attempts suffix)")
         if retention_s <= 0:
             raise ValueError("ledger retention must be positive: replays are recognised only while ids are kept")
         self.table = table
@@ -350,15 +355,18 @@ class ShardLedger:
             # Concurrent CREATE TABLE IF NOT EXISTS can fail on the catalog's unique index: one creator at a time.
             conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"beamflow-ledger:{self.table}",))
             conn.execute(
-                f"CREATE TABLE IF NOT EXISTS {self.table} (sink_group text NOT NULL, record_id text NOT NULL, "
-                "shard integer NOT NULL, attempt bigint NOT NULL, written_at timestamptz NOT NULL DEFAULT now(), "
-                "PRIMARY KEY (sink_group, record_id))"
+                f"CREATE TABLE IF NOT EXISTS {self.table} (sink_group text NOT NULL, record_key text NOT NULL, "
+                "shard integer NOT NULL, attempt bigint NOT NULL, PRIMARY KEY (sink_group, record_key))"
             )
-            # Forgetting an aborted attempt deletes by (group, shard, attempt); pruning by (group, written_at).
+            # Forgetting an aborted attempt and pruning old ones both delete by (group, shard, attempt).
             conn.execute(
                 f"CREATE INDEX IF NOT EXISTS {self.table}_attempt ON {self.table} (sink_group, shard, attempt)"
             )
-            conn.execute(f"CREATE INDEX IF NOT EXISTS {self.table}_age ON {self.table} (sink_group, written_at)")
+            conn.execute(
+                f"CREATE TABLE IF NOT EXISTS {self.table}_attempts (sink_group text NOT NULL, shard integer NOT NULL, "
+                "attempt bigint NOT NULL, written_at timestamptz NOT NULL DEFAULT now(), "
+                "PRIMARY KEY (sink_group, shard, attempt))"
+            )
             conn.execute(
                 f"CREATE TABLE IF NOT EXISTS {self.table}_shards (sink_group text NOT NULL, shard integer NOT NULL, "
                 "topic text NOT NULL, attempt bigint NOT NULL, pending boolean NOT NULL, committed bigint NOT NULL, "
@@ -375,17 +383,35 @@ class ShardLedger:
             ).fetchone()
             if not got or not got[0]:
                 return 0
+            # A shard's attempts are numbered in time order (under its row lock), so "written before the cutoff" is
+            # "attempt <= the newest attempt written before it", per shard.
+            old = (
+                f"SELECT shard, max(attempt) AS upto FROM {self.table}_attempts WHERE sink_group = %s "
+                "AND written_at < now() - make_interval(secs => %s) GROUP BY shard"
+            )
             cursor = conn.execute(
-                f"DELETE FROM {self.table} AS r WHERE r.sink_group = %s "
-                "AND r.written_at < now() - make_interval(secs => %s) "
-                f"AND NOT EXISTS (SELECT 1 FROM {self.table}_shards s WHERE s.sink_group = r.sink_group "
-                "AND s.shard = r.shard AND s.pending AND s.attempt = r.attempt)",
+                f"DELETE FROM {self.table} AS r USING ({old}) AS o WHERE r.sink_group = %s AND r.shard = o.shard "
+                f"AND r.attempt <= o.upto AND NOT EXISTS (SELECT 1 FROM {self.table}_shards s "
+                "WHERE s.sink_group = r.sink_group AND s.shard = r.shard AND s.pending AND s.attempt = r.attempt)",
+                (sink_group, float(self.retention_s), sink_group),
+            )
+            deleted = cursor.rowcount
+            conn.execute(
+                f"DELETE FROM {self.table}_attempts AS a WHERE a.sink_group = %s "
+                "AND a.written_at < now() - make_interval(secs => %s) AND NOT EXISTS (SELECT 1 FROM "
+                f"{self.table}_shards s WHERE s.sink_group = a.sink_group AND s.shard = a.shard AND s.pending "
+                "AND s.attempt = a.attempt)",
                 (sink_group, float(self.retention_s)),
             )
-            return cursor.rowcount
+            return deleted
 
     def close(self) -> None:
         self.pool.close()
+
+
+def ledger_key(identity: str) -> str:
+    """The ledger's key of a record id: its 16-byte BLAKE2b digest in hex (collisions: about 2^-64 at 2^32 ids)."""
+    return hashlib.blake2b(identity.encode(), digest_size=16).hexdigest()
 
 
 @dataclass
@@ -393,6 +419,18 @@ class _Claim:
     attempt: int
     new: list[ProducerRecord] = field(default_factory=list)
     skipped: int = 0
+
+
+def _kafka_error_of(exc: BaseException) -> Any:
+    """The KafkaError behind ``exc`` (itself, or the KafkaException it was raised from), else None."""
+    from confluent_kafka import KafkaException
+
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, KafkaException) and seen.args:
+            return seen.args[0]
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def _is_fenced(error: Any) -> bool:
@@ -456,11 +494,11 @@ class ExactlyOnceShardWriter:
     def _phase(self, name: str) -> None:
         """Called at each step of a write ("claimed", "produced", "committed", "done"); tests kill the process here."""
 
-    def _already_written(self, conn: Any, ids: list[str]) -> set[str]:
-        """The ids among ``ids`` that the ledger holds for this sink group (a test overrides it to break the sink)."""
+    def _already_written(self, conn: Any, keys: list[str]) -> set[str]:
+        """The ledger keys among ``keys`` that this sink group has written (a test overrides it to break the sink)."""
         rows = conn.execute(
-            f"SELECT record_id FROM {self.ledger.table} WHERE sink_group = %s AND record_id = ANY(%s)",
-            (self.sink_group, ids),
+            f"SELECT record_key FROM {self.ledger.table} WHERE sink_group = %s AND record_key = ANY(%s)",
+            (self.sink_group, keys),
         )
         return {r[0] for r in rows}
 
@@ -533,9 +571,8 @@ class ExactlyOnceShardWriter:
             producer.begin_transaction()
             self._send_marker(marker)
             producer.commit_transaction(self.timeout_s)
-        except KafkaException as exc:
-            error = exc.args[0] if exc.args else None
-            if _is_fenced(error):
+        except (KafkaException, SystemError) as exc:
+            if _is_fenced(_kafka_error_of(exc)):
                 raise ShardFenced(
                     f"shard {self.shard}: fenced by a newer writer while deciding a pending attempt"
                 ) from exc
@@ -590,20 +627,18 @@ class ExactlyOnceShardWriter:
         """Step 1 (see the module docstring), in one PostgreSQL transaction with the shard's row locked."""
         ledger, table = self.ledger, self.ledger.table
         ledger.create()
-        by_id: dict[str, ProducerRecord] = {}
+        by_key: dict[str, ProducerRecord] = {}
         for record in records:
-            by_id.setdefault(record.identity(), record)  # the same result twice in one batch is one result
-        duplicates_in_batch = len(records) - len(by_id)
+            by_key.setdefault(ledger_key(record.identity()), record)  # the same result twice in a batch is one
+        duplicates_in_batch = len(records) - len(by_key)
         with ledger.pool.connection() as conn, conn.transaction():
-            conn.execute(
-                f"INSERT INTO {table}_shards (sink_group, shard, topic, attempt, pending, committed) "
-                "VALUES (%s, %s, %s, 0, false, 0) ON CONFLICT DO NOTHING",
-                (self.sink_group, self.shard, self.topic),
-            )
+            # One round trip: creates the shard's row if missing, locks it either way (DO UPDATE takes the row
+            # lock, as SELECT ... FOR UPDATE would) and returns it.
             row = conn.execute(
-                f"SELECT topic, attempt, pending, committed FROM {table}_shards "
-                "WHERE sink_group = %s AND shard = %s FOR UPDATE",
-                (self.sink_group, self.shard),
+                f"INSERT INTO {table}_shards AS s (sink_group, shard, topic, attempt, pending, committed) "
+                "VALUES (%s, %s, %s, 0, false, 0) ON CONFLICT (sink_group, shard) DO UPDATE SET attempt = s.attempt "
+                "RETURNING topic, attempt, pending, committed",
+                (self.sink_group, self.shard, self.topic),
             ).fetchone()
             assert row is not None
             topic, attempt, pending, committed = str(row[0]), int(row[1]), bool(row[2]), int(row[3])
@@ -627,15 +662,19 @@ class ExactlyOnceShardWriter:
                 self._checked = True
             if pending:
                 self._resolve(conn, attempt, committed)
-            ids = list(by_id)
-            seen = self._already_written(conn, ids)
-            new_ids = [i for i in ids if i not in seen]
-            claim = _Claim(attempt + 1 if new_ids else attempt, skipped=len(seen) + duplicates_in_batch)
-            if new_ids:
-                with conn.cursor().copy(f"COPY {table} (sink_group, record_id, shard, attempt) FROM STDIN") as copy:
-                    for record_id in new_ids:
-                        copy.write_row((self.sink_group, record_id, self.shard, claim.attempt))
-                claim.new = [by_id[i] for i in new_ids]
+            keys = list(by_key)
+            seen = self._already_written(conn, keys)
+            new_keys = [k for k in keys if k not in seen]
+            claim = _Claim(attempt + 1 if new_keys else attempt, skipped=len(seen) + duplicates_in_batch)
+            if new_keys:
+                with conn.cursor().copy(f"COPY {table} (sink_group, record_key, shard, attempt) FROM STDIN") as copy:
+                    for key in new_keys:
+                        copy.write_row((self.sink_group, key, self.shard, claim.attempt))
+                claim.new = [by_key[k] for k in new_keys]
+                conn.execute(
+                    f"INSERT INTO {table}_attempts (sink_group, shard, attempt) VALUES (%s, %s, %s)",
+                    (self.sink_group, self.shard, claim.attempt),
+                )
                 conn.execute(
                     f"UPDATE {table}_shards SET attempt = %s, pending = true WHERE sink_group = %s AND shard = %s",
                     (claim.attempt, self.sink_group, self.shard),
@@ -701,8 +740,10 @@ class ExactlyOnceShardWriter:
                 )
             self._send_marker(claim.attempt)
             producer.commit_transaction(self.timeout_s)
-        except KafkaException as exc:
-            error = exc.args[0] if exc.args else None
+        except (KafkaException, SystemError) as exc:
+            # SystemError: a fatal error (fencing) raised inside flush() while it serves delivery callbacks reaches
+            # Python as "returned a result with an exception set", the KafkaException as its context.
+            error = _kafka_error_of(exc)
             if _is_fenced(error):
                 raise ShardFenced(
                     f"shard {self.shard}: fenced by a newer writer of {self.transactional_id}; attempt "
@@ -735,9 +776,9 @@ class ExactlyOnceShardWriter:
                 (attempt, self.sink_group, self.shard, attempt),
             )
             if too_large:
-                ids = [dict(d.attributes)["record_id"] for d in too_large]
+                keys = [ledger_key(dict(d.attributes)["record_id"]) for d in too_large]
                 conn.execute(
-                    f"DELETE FROM {table} WHERE sink_group = %s AND record_id = ANY(%s)", (self.sink_group, ids)
+                    f"DELETE FROM {table} WHERE sink_group = %s AND record_key = ANY(%s)", (self.sink_group, keys)
                 )
 
     def close(self) -> None:

@@ -143,9 +143,9 @@ raise SystemExit("not killed")
 class _NoLedgerSkip(ExactlyOnceShardWriter):
     """Deliberately broken: never recognises a replay (the ledger skip disabled)."""
 
-    def _already_written(self, conn: Any, ids: list[str]) -> set[str]:
+    def _already_written(self, conn: Any, keys: list[str]) -> set[str]:
         conn.execute(  # forget them, so recording them again does not collide
-            f"DELETE FROM {self.ledger.table} WHERE sink_group = %s AND record_id = ANY(%s)", (self.sink_group, ids)
+            f"DELETE FROM {self.ledger.table} WHERE sink_group = %s AND record_key = ANY(%s)", (self.sink_group, keys)
         )
         return set()
 
