@@ -16,7 +16,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--kafka", default=None, help="bootstrap servers: also check partition count and record gaps")
     parser.add_argument("--flink-rest", default=None, help="http://host:port: also read live checkpoint statistics")
     parser.add_argument("--job-id", default=None, help="Flink job to inspect (default: the running one)")
-    parser.add_argument("--pipeline", default="pipelines.clicks", help="module whose build_pipeline() to inspect")
+    parser.add_argument(
+        "--pipeline",
+        default=None,
+        help="module whose build_pipeline() to inspect (default: pipelines.<job.name> if there is one, else "
+        "pipelines.clicks)",
+    )
     parser.add_argument("--json", action="store_true")
     parser.set_defaults(func=run)
 
@@ -45,12 +50,13 @@ def run(args: argparse.Namespace) -> int:
         partitions = topic_partition_count(args.kafka, topic)
         findings += check_record_gaps(sample_record_gaps(args.kafka, topic), config.kafka.idle_timeout_ms)
     findings = check_config(config, partitions) + findings
-    if args.pipeline:
+    pipeline = args.pipeline or _job_module(config.job.name)
+    if pipeline:
         import importlib
 
         from beamflow.doctor import check_unstable_names, pipeline_labels
 
-        module = importlib.import_module(args.pipeline)
+        module = importlib.import_module(pipeline)
         findings += check_unstable_names(pipeline_labels(lambda p: module.build_pipeline(p, config)))
     if args.flink_rest:
         from beamflow.flink_rest import FlinkRest
@@ -68,3 +74,16 @@ def run(args: argparse.Namespace) -> int:
     else:
         format_findings(findings)
     return 1 if any(f.severity == "error" for f in findings) else 0
+
+
+def _job_module(name: str) -> str:
+    """The job module a conf's ``job.name`` names (``rides`` -> ``pipelines.rides``), found by name only (the engines
+    import no job), else the clicks job."""
+    import importlib.util
+
+    candidate = f"pipelines.{name}"
+    try:
+        found = name.isidentifier() and importlib.util.find_spec(candidate) is not None
+    except ModuleNotFoundError:
+        found = False
+    return candidate if found else "pipelines.clicks"
