@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import apache_beam as beam
@@ -58,11 +59,11 @@ _USERS: dict[tuple[Any, ...], int] = {}
 _SHARED_LOCK = threading.Lock()
 
 
-def _ledger(dsn: str, table: str, retention_s: float) -> ShardLedger:
+def _ledger(dsn: str, table: str, retention_s: float, shards: int) -> ShardLedger:
     key = (dsn, table, retention_s)
     with _SHARED_LOCK:
-        if key not in _LEDGERS:
-            _LEDGERS[key] = ShardLedger(dsn, table, retention_s)
+        if key not in _LEDGERS:  # a connection per concurrently written shard, up to 8
+            _LEDGERS[key] = ShardLedger(dsn, table, retention_s, connections=min(max(shards, 2), 8))
         return _LEDGERS[key]
 
 
@@ -130,6 +131,19 @@ class _ToRecord(beam.DoFn):
         yield record
 
 
+def _chunks(group: tuple[int, Iterable[ProducerRecord]], size: int) -> Iterator[tuple[int, list[ProducerRecord]]]:
+    """A shard's grouped records in lists of at most ``size``, read lazily (the group may be large)."""
+    shard, records = group
+    chunk: list[ProducerRecord] = []
+    for record in records:
+        chunk.append(record)
+        if len(chunk) >= size:
+            yield shard, chunk
+            chunk = []
+    if chunk:
+        yield shard, chunk
+
+
 class _Shard(beam.DoFn):
     def __init__(self, shards: int) -> None:
         self._shards = shards
@@ -189,7 +203,9 @@ class _TransactionalFn(SinkFn):
         self._partitions = partitions
         config = build_producer_config(self._bootstrap, self._config)
         self._limit = fetch_size_limit(self._bootstrap, self._topic, config, _STAGE)
-        self._ledger = _ledger(self._ledger_dsn, self._ledger_table, self._retention_s)
+        self._ledger = _ledger(self._ledger_dsn, self._ledger_table, self._retention_s, self._shards)
+        self._threads: dict[int, ThreadPoolExecutor] = {}
+        self._pending: list[Future[tuple[int, int, int, list[DeadLetter]]]] = []
 
     def _writer(self, shard: int) -> tuple[ExactlyOnceShardWriter, threading.Lock]:
         key = (self._bootstrap, self._topic, self._sink_group, shard, self._ledger_dsn, self._ledger_table)
@@ -215,20 +231,49 @@ class _TransactionalFn(SinkFn):
         return found
 
     def add(self, element: tuple[int, Iterable[ProducerRecord]]) -> list[Any]:
+        # Shards are written in parallel (one thread per shard, so a shard's batches stay in order): a write mostly
+        # waits on PostgreSQL and the broker. Every one has committed before flush returns, i.e. before the bundle
+        # ends, as if written here.
         shard, batch = element
+        if shard not in self._threads:
+            self._threads[shard] = ThreadPoolExecutor(1, thread_name_prefix=f"kafka-shard-{shard}")
+        self._pending.append(self._threads[shard].submit(self._write, shard, list(batch)))
+        outputs: list[Any] = []
+        while len(self._pending) > 2 * len(self._threads):  # bounded: a bundle's batches are not all held at once
+            try:
+                outputs.extend(self._collect(self._pending.pop(0)))
+            except Exception:
+                self.flush_quietly()
+                raise
+        return outputs
+
+    def flush_quietly(self) -> None:
+        """Waits for every write in flight, dropping their outcome (the bundle is failing anyway)."""
+        pending, self._pending = self._pending, []
+        wait(pending)
+
+    def _write(self, shard: int, batch: list[ProducerRecord]) -> tuple[int, int, int, list[DeadLetter]]:
         writer, lock = self._writer(shard)
         with lock:
             before = writer.stats.skipped_replays
-            written, dead = writer.write(list(batch))
-            skipped = writer.stats.skipped_replays - before
+            written, dead = writer.write(batch)
+            return shard, written, writer.stats.skipped_replays - before, dead
+
+    def _collect(self, future: Future[tuple[int, int, int, list[DeadLetter]]]) -> list[Any]:
+        shard, written, skipped, dead = future.result()
+        # Counted here, on the bundle's thread: Beam's metrics are bound to it.
         self._written.inc(written)
         self._skipped.inc(skipped)
         self._dead.inc(len(dead))
-        report = {"topic": self._topic, "shard": shard, "rows_written": written, "replays_skipped": skipped}
-        return [*dead, report]
+        return [*dead, {"topic": self._topic, "shard": shard, "rows_written": written, "replays_skipped": skipped}]
 
     def flush(self) -> list[Any]:
-        return []  # every batch was committed in add: nothing is left open at the bundle's end
+        pending, self._pending = self._pending, []
+        wait(pending)  # all of them, even after a failure: none may still be writing when the bundle fails
+        outputs: list[Any] = []
+        for future in pending:
+            outputs.extend(self._collect(future))  # raises the first failure: the bundle fails and is retried
+        return outputs
 
     def close(self) -> None:
         # The last DoFn instance of this process using a shard closes its writer.
@@ -243,6 +288,8 @@ class _TransactionalFn(SinkFn):
         for writer, lock in closing:
             with lock:
                 writer.close()
+        for thread in getattr(self, "_threads", {}).values():
+            thread.shutdown(wait=True)
 
 
 class _IdempotentFn(SinkFn):
@@ -326,21 +373,21 @@ class WriteToKafka(beam.PTransform):
         assert sorted(seen) == [b"u1", b"u2", b"u3"], seen  # each result exactly once
 
     ``mode="exactly-once"``: a consumer with ``isolation.level=read_committed`` sees each result (each record id)
-    exactly once, through crashes at any moment and replays of any bundle, on Flink and the local runner. Records
-    are sharded by a deterministic hash (of the key, else of the record id) into ``shards`` shards, batched per shard
-    (``GroupIntoBatches``: at most ``batch_size`` records, at most ``max_buffering_s`` waiting when the input is
-    unbounded; bounded input is flushed at its end), and each batch is
-    one Kafka transaction of its shard's producer (``transactional.id = <sink_group>-<shard>``), committed in the
-    writer's ``process`` before the bundle ends, never in a bundle finalizer. Before producing, the batch's record
-    ids are checked against and recorded in a PostgreSQL ledger (``ledger_table``): ids already there are replays and
-    skipped. A crash between the ledger and the Kafka commit leaves the attempt pending; the next writer decides it
-    from a marker committed atomically with the transaction (the sink group's offset on ``TopicPartition(topic,
-    shard)``). Zombie writers are fenced by the producer epoch. Why not a transaction per checkpoint (Flink's
-    ``KafkaSink``) or committing in a bundle finalizer: librdkafka cannot commit a prepared transaction from another
-    producer instance, and Beam's Flink runner finalizes bundles from an in-memory list, so a crash after a
-    checkpoint would lose the prepared transaction, or a finalizer would commit a bundle the checkpoint does not
-    cover; and Beam Python 2.62 cannot request stable input, so Beam Java's sequence numbers would not replay
-    identically. Record ids make the replay's order and batching irrelevant.
+    exactly once, through crashes at any moment and replays of any bundle, on Flink and the local runner. Records are
+    sharded by a deterministic hash (of the key, else of the record id) into ``shards`` shards, batched per shard
+    (unbounded input: ``GroupIntoBatches``, at most ``batch_size`` records, at most ``max_buffering_s`` waiting; bounded
+    input: one ``GroupByKey`` per shard, cut into ``batch_size`` lists where they are written), and each batch is one
+    Kafka transaction of its shard's producer (``transactional.id = <sink_group>-<shard>``), committed in the writer's
+    ``process`` before the bundle ends, never in a bundle finalizer. Before producing, the batch's record ids are
+    checked against and recorded in a PostgreSQL ledger (``ledger_table``): ids already there are replays and skipped. A
+    crash between the ledger and the Kafka commit leaves the attempt pending; the next writer decides it from a marker
+    committed atomically with the transaction (the sink group's offset on ``TopicPartition(topic, shard)``). Zombie
+    writers are fenced by the producer epoch. Why not a transaction per checkpoint (Flink's ``KafkaSink``) or committing
+    in a bundle finalizer: librdkafka cannot commit a prepared transaction from another producer instance, and Beam's
+    Flink runner finalizes bundles from an in-memory list, so a crash after a checkpoint would lose the prepared
+    transaction, or a finalizer would commit a bundle the checkpoint does not cover; and Beam Python 2.62 cannot request
+    stable input, so Beam Java's sequence numbers would not replay identically. Record ids make the replay's order and
+    batching irrelevant.
 
     It needs (and refuses, with a one-line ``ValueError``, what it can detect): a ``sink_group`` unique to this sink
     and stable across restarts (it names the transactional ids, the markers and the ledger rows; a sink group already
@@ -441,18 +488,25 @@ class WriteToKafka(beam.PTransform):
             )
         else:
             assert self.sink_group and self.ledger_dsn and self.shards
-            # One place per shard: GroupIntoBatches is keyed, so a shard's batches all come from the one worker that
+            # One place per shard: the grouping is keyed, so a shard's batches all come from the one worker that
             # owns its key, and the writer (fused after it) commits each before the bundle ends. The global window
-            # first: batches are per window, and event-time windows would cut them into tiny transactions.
-            # The buffering timer only where input never ends: bounded input is flushed at the end of the global
-            # window anyway, and the timer costs GroupIntoBatches a quarter of its time on the local runner.
-            buffering = None if elements.is_bounded else self.max_buffering_s
-            batches = (
+            # first: groups are per window, and event-time windows would cut them into tiny transactions.
+            sharded = (
                 records.records
                 | "Shard" >> beam.ParDo(_Shard(self.shards)).with_output_types(tuple[int, Any])
                 | "GlobalWindow" >> beam.WindowInto(GlobalWindows())
-                | "Batch" >> beam.GroupIntoBatches(self.batch_size, max_buffering_duration_secs=buffering)
             )
+            if elements.is_bounded:
+                # Bounded input ends: one group per shard at the end, cut into transactions of batch_size where it
+                # is written. GroupIntoBatches would keep every element in state on the way (a state call per
+                # element: twice the time on the local runner).
+                batches = (
+                    sharded | "GroupByShard" >> beam.GroupByKey() | "Chunk" >> beam.FlatMap(_chunks, self.batch_size)
+                )
+            else:
+                batches = sharded | "Batch" >> beam.GroupIntoBatches(
+                    self.batch_size, max_buffering_duration_secs=self.max_buffering_s
+                )
             written = write_with(
                 batches,
                 _TransactionalFn(

@@ -334,7 +334,14 @@ class ShardLedger:
     at a restore).
     """
 
-    def __init__(self, dsn: str, table: str, retention_s: float = 7 * 86400, prune_every_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        dsn: str,
+        table: str,
+        retention_s: float = 7 * 86400,
+        prune_every_s: float = 600.0,
+        connections: int = 2,
+    ) -> None:
         from beamflow.postgres.table import validate_identifier
         from beamflow.postgres.writer import open_pool
 
@@ -345,7 +352,7 @@ class ShardLedger:
         self.table = table
         self.retention_s = retention_s
         self.prune_every_s = prune_every_s
-        self.pool = open_pool(dsn, max_size=2)
+        self.pool = open_pool(dsn, max_size=connections)
         self._created = False
 
     def create(self) -> None:
