@@ -5,8 +5,9 @@ transaction; Kafka committed but the ledger not settled), then a fresh writer re
 deliberately broken writers kept as tests, to show the count catches a missing ledger skip (duplicates) and a
 pending attempt trusted without its marker (loss). Zombies: a writer fenced by a newer one fails its write, its
 retry is not wedged, and a pending attempt is never decided by a writer that does not hold the newest epoch. The
-Beam transform on the local runner: a replayed pipeline writes nothing, records too large go to dead letters with
-their reason, a delivery failure fails the pipeline, at-least-once writes everything.
+Beam transform on the local runner: a replayed pipeline writes nothing (bounded input, and Kafka to Kafka through the
+streaming path), records too large go to dead letters with their reason, a delivery failure fails the pipeline,
+at-least-once writes everything.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from apache_beam.testing.util import assert_that, equal_to
 from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
-from beamflow.kafka.admin import create_topic
+from beamflow.kafka.admin import create_topic, produce
 from beamflow.kafka.producer import (
     AtLeastOnceWriter,
     ExactlyOnceShardWriter,
@@ -40,6 +41,7 @@ from beamflow.kafka.producer import (
 )
 from beamflow.services import ServiceState
 from runners.direct import local_options
+from transforms.read_from_kafka import ReadFromKafka, StopPolicy
 from transforms.write_to_kafka import WriteToKafka, close_shared_writers
 
 pytestmark = pytest.mark.services
@@ -369,6 +371,45 @@ def test_pipeline_replay_writes_nothing_and_too_large_goes_to_dead_letters(
         close_shared_writers()
     assert written == [(300, 0), (0, 300)]
     expected = [json.dumps(r).encode() for r in results]
+    assert exactly_once_problems(read_committed(bootstrap, topic), expected) == []
+
+
+def test_kafka_to_kafka_replay_through_group_into_batches_writes_nothing(
+    kafka: ServiceState, postgres: ServiceState, topic: str
+) -> None:
+    # ReadFromKafka's output is unbounded (even when the read stops at the end offsets), so this takes the streaming
+    # path: GroupIntoBatches with its buffering timer. The second run reads everything again (a fresh group): a replay.
+    bootstrap, source = kafka.info["bootstrap"], f"source-{uuid.uuid4().hex[:8]}"
+    create_topic(bootstrap, source, 2)
+    produce(bootstrap, source, ((f"k{i}".encode(), f"event-{i}".encode()) for i in range(400)))
+    group = f"k2k-{uuid.uuid4().hex[:6]}"
+    written = []
+    try:
+        for _ in range(2):
+            with beam.Pipeline(options=local_options()) as p:
+                (
+                    p
+                    | ReadFromKafka(
+                        bootstrap, [source], f"reader-{uuid.uuid4().hex[:6]}", stop=StopPolicy(at_end_offsets=True)
+                    )
+                    | beam.Map(lambda r: ProducerRecord(r.value, r.key, record_id=f"{r.partition}:{r.offset}"))
+                    | WriteToKafka(
+                        bootstrap,
+                        topic,
+                        mode="exactly-once",
+                        sink_group=group,
+                        ledger_dsn=postgres.info["dsn"],
+                        ledger_table="beam_kafka_ledger",
+                        shards=3,
+                        batch_size=50,
+                        max_buffering_s=0.5,
+                    )
+                )
+            written.append((_counter(p.result, "records_written"), _counter(p.result, "replays_skipped")))
+    finally:
+        close_shared_writers()
+    assert written == [(400, 0), (0, 400)]
+    expected = [f"event-{i}".encode() for i in range(400)]
     assert exactly_once_problems(read_committed(bootstrap, topic), expected) == []
 
 
