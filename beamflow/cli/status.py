@@ -194,7 +194,7 @@ def sink_totals(config: Mapping[str, Any]) -> dict[str, int]:
     """
     out: dict[str, int] = {}
     try:
-        out["kafka_committed"] = _committed_records(config)
+        out["kafka_committed"] = committed_records(config)
     except Exception as exc:
         print(f"kafka committed offsets unavailable: {exc}", file=sys.stderr)
     try:
@@ -230,7 +230,7 @@ def sink_totals(config: Mapping[str, Any]) -> dict[str, int]:
     return out
 
 
-def _committed_records(config: Mapping[str, Any]) -> int:
+def committed_records(config: Mapping[str, Any]) -> int:
     """Committed minus earliest offset, summed over the partitions the group has committed."""
     return sum(pos - low for low, _, pos in group_positions(config).values() if pos >= 0)
 
