@@ -395,6 +395,68 @@ def unstable_sink_id(job: Job) -> Finding | None:
     )
 
 
+def _loopback_host(address: str) -> bool:
+    host = address.strip().rsplit(":", 1)[0].strip("[]") if ":" in address else address.strip()
+    return host in {"localhost", "127.0.0.1", "::1", "auto", ""} or host.startswith("127.")
+
+
+@rule
+def inline_password(job: Job) -> Finding | None:
+    from beamflow.secrets import inline_kafka_secrets
+    from beamflow.secrets import inline_password as dsn_has_password
+
+    where: list[str] = []
+    if job.config.postgres is not None and dsn_has_password(job.config.postgres.dsn):
+        where.append("postgres.dsn")
+    uri = job.config.iceberg.catalog.uri if job.config.iceberg else ""
+    if uri.startswith("postgres") and dsn_has_password(uri.replace("+psycopg2", "").replace("+psycopg", "")):
+        where.append("iceberg.catalog.uri")
+    if job.config.kafka is not None:
+        where += [f"kafka.consumer_config.{k}" for k in inline_kafka_secrets(job.config.kafka.consumer_config)]
+    if job.config.kafka_sink is not None:
+        producer = job.config.kafka_sink.producer_config
+        where += [f"kafka_sink.producer_config.{k}" for k in inline_kafka_secrets(producer)]
+    if not where:
+        return None
+    return Finding(
+        "inline-password",
+        "warning",
+        f"a password is written in the config: {', '.join(where)}",
+        "the DSN and client settings travel inside the pipeline (pickled DoFns, the job server, Flink's web UI and "
+        "logs) and in every copy of the file",
+        "refer to the secret by name: password=env:NAME or password=file:/path in the DSN, sasl.password: env:NAME "
+        "(resolved where the connection opens, beamflow/secrets.py)",
+    )
+
+
+@rule
+def plaintext_kafka(job: Job) -> Finding | None:
+    clusters: list[tuple[str, str, dict[str, Any]]] = []
+    if job.config.kafka is not None:
+        clusters.append(("kafka", job.config.kafka.bootstrap, job.config.kafka.consumer_config))
+    sink = job.config.kafka_sink
+    if sink is not None and sink.bootstrap is not None:
+        clusters.append(("kafka_sink", sink.bootstrap, sink.producer_config))
+    plain = [
+        f"{section}.bootstrap {bootstrap}"
+        for section, bootstrap, settings in clusters
+        if str(settings.get("security.protocol", settings.get("security_protocol", "PLAINTEXT"))).upper()
+        in {"PLAINTEXT", "SASL_PLAINTEXT"}
+        and not all(_loopback_host(address) for address in bootstrap.split(","))
+    ]
+    if not plain:
+        return None
+    return Finding(
+        "plaintext-kafka",
+        "warning",
+        f"Kafka over an unencrypted connection to another host: {', '.join(plain)}",
+        "records, offsets and any SASL password cross the network in the clear; anyone on the path reads or "
+        "alters them",
+        "set security.protocol: SASL_SSL (with sasl.mechanism SCRAM-SHA-512 and sasl.password: env:NAME) in "
+        "kafka.consumer_config (and kafka_sink.producer_config)",
+    )
+
+
 def rule_code(fn: Rule) -> str:
     """The finding code a rule produces: its function name with dashes."""
     return fn.__name__.replace("_", "-")

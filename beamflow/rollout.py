@@ -145,8 +145,9 @@ def _postgres_verdict(dsn: str, table: str, candidate: Mapping[str, Any]) -> Sin
     import psycopg
 
     from beamflow.postgres.table import avro_columns, existing_columns, plan_evolution
+    from beamflow.secrets import postgres_conninfo
 
-    with psycopg.connect(dsn) as conn:
+    with psycopg.connect(postgres_conninfo(dsn)) as conn:
         existing = existing_columns(conn, table)
         if existing is None:
             return SinkVerdict("postgres", table, exists=False)
@@ -263,8 +264,9 @@ def _evolve_postgres(dsn: str, table: str, add: tuple[tuple[str, str], ...]) -> 
     import psycopg
 
     from beamflow.postgres.table import add_columns
+    from beamflow.secrets import postgres_conninfo
 
-    with psycopg.connect(dsn) as conn, conn.transaction():
+    with psycopg.connect(postgres_conninfo(dsn)) as conn, conn.transaction():
         add_columns(conn, table, add)
 
 

@@ -212,11 +212,13 @@ def sink_totals(config: Mapping[str, Any]) -> dict[str, int]:
         import psycopg
         from psycopg import sql
 
+        from beamflow.secrets import SecretError, postgres_conninfo
+
         tables = {"quarantined": pg.get("quarantine_table"), "session_rows": pg.get("sessions_table")}
         if ((config.get("dead_letters") or {}).get("sink") or "postgres") == "postgres":
             tables["dead_letters"] = pg.get("dead_letters_table")
         try:
-            with psycopg.connect(pg["dsn"], autocommit=True, connect_timeout=10) as conn:
+            with psycopg.connect(postgres_conninfo(pg["dsn"]), autocommit=True, connect_timeout=10) as conn:
                 for key, table in tables.items():
                     if not table:
                         continue
@@ -225,7 +227,7 @@ def sink_totals(config: Mapping[str, Any]) -> dict[str, int]:
                     except psycopg.errors.UndefinedTable:
                         continue
                     out[key] = int(row[0]) if row else 0
-        except psycopg.OperationalError as exc:
+        except (psycopg.OperationalError, SecretError) as exc:  # down, refused, or a secret that is not there
             print(f"postgres counts unavailable: {exc}", file=sys.stderr)
     return out
 
@@ -361,8 +363,10 @@ def run(args: argparse.Namespace) -> int:
             config = resolve_auto(load_job_config(args.conf, args.set)).to_dict()
         status = collect_status(rest, find_job(rest, args.job), config)
     except (FlinkRestError, ServiceError, OSError, ValueError) as exc:  # ValueError: beamflow.config.ConfigError
+        from beamflow.config import ConfigError
+
         print(f"beamflow status: {exc}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(exc, ConfigError) else 1  # 2: the user's config or flags are wrong
     if args.json:
         print(json.dumps({**asdict(status), "late_dropped": status.late_dropped}, indent=2, default=str))
     else:

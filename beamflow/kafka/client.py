@@ -52,7 +52,13 @@ class KafkaConsumerClient(ABC):
 def open_consumer(
     backend: str, bootstrap: str, group_id: str, config: Mapping[str, Any] | None = None
 ) -> KafkaConsumerClient:
-    """A consumer of the named backend: ``confluent`` (librdkafka, fast) or ``kafka-python`` (pure Python)."""
+    """A consumer of the named backend: ``confluent`` (librdkafka, fast) or ``kafka-python`` (pure Python).
+
+    Secret settings given as references (``sasl.password: env:NAME``, see ``beamflow.secrets``) are resolved here.
+    """
+    from beamflow.secrets import kafka_client_config
+
+    config = kafka_client_config(config or {})
     if backend == "confluent":
         from beamflow.kafka.confluent_backend import ConfluentConsumer
 

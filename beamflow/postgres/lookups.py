@@ -36,8 +36,10 @@ class _PooledLookup:
 
     def __enter__(self) -> Any:
         if self._pool is None:
+            from beamflow.secrets import postgres_conninfo
+
             self._pool = ConnectionPool(
-                self.dsn,
+                postgres_conninfo(self.dsn),  # a password reference is resolved where the connection opens
                 min_size=1,
                 max_size=self.pool_size,
                 timeout=self.timeout_s,  # waiting for a connection counts against the same deadline

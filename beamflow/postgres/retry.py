@@ -13,7 +13,7 @@ from typing import TypeVar
 import psycopg
 import psycopg_pool
 
-__all__ = ["RetryPolicy", "error_code", "error_message", "is_data_error", "is_transient"]
+__all__ = ["RetryPolicy", "error_code", "error_message", "is_data_error", "is_refused", "is_transient"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -48,8 +48,32 @@ def error_message(exc: BaseException) -> str:
     return " ".join(parts)
 
 
+# What the server or libpq says when the credentials or the TLS setup are wrong: retrying cannot help, and a retry
+# loop would hide the cause (and look like an attack to the server).
+_REFUSED = (
+    "password authentication failed",
+    "no password supplied",
+    "pg_hba.conf rejects connection",
+    "no pg_hba.conf entry",
+    "certificate verify failed",
+    "server does not support SSL",
+)
+
+
+def is_refused(exc: BaseException) -> bool:
+    """The server refused who we are (wrong or missing password, no matching pg_hba.conf line, a TLS failure)."""
+    sqlstate = str(getattr(exc, "sqlstate", None) or "")
+    return sqlstate.startswith("28") or (
+        isinstance(exc, psycopg.OperationalError) and any(text in str(exc) for text in _REFUSED)
+    )
+
+
 def is_transient(exc: BaseException) -> bool:
-    """Connection lost, server shutting down or restarting, serialization failure, deadlock, no pool slot."""
+    """Connection lost, server shutting down or restarting, serialization failure, deadlock, no pool slot.
+
+    Never a refused login (``is_refused``): that fails at once, with the server's reason."""
+    if is_refused(exc):
+        return False
     if isinstance(exc, psycopg_pool.PoolTimeout | psycopg_pool.TooManyRequests):
         return True
     sqlstate = getattr(exc, "sqlstate", None)

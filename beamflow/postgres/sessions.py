@@ -244,7 +244,10 @@ class SessionStore:
 
     @classmethod
     def connect(cls, dsn: str, table: str, retry: RetryPolicy | None = None) -> SessionStore:
-        return cls(lambda: psycopg.connect(dsn), table, retry)
+        from beamflow.secrets import postgres_conninfo
+
+        # The password reference (env:/file:) is resolved at each connect, never stored in the store's state.
+        return cls(lambda: psycopg.connect(postgres_conninfo(dsn)), table, retry)
 
     def ensure_table(self) -> None:
         """Creates the table and its events ledger if missing. A new sessions table starts with an empty ledger (one

@@ -78,8 +78,10 @@ SourceOf = Callable[[Mapping[str, Any]], tuple[str | None, int | None, int | Non
 def open_pool(dsn: str, max_size: int = 2, timeout: float = 10.0) -> ConnectionPool:
     """A small psycopg pool whose connections are health-checked on checkout (a restarted server leaves dead
     ones)."""
+    from beamflow.secrets import postgres_conninfo
+
     pool = ConnectionPool(
-        dsn,
+        postgres_conninfo(dsn),  # a password reference (env:/file:) is resolved here, in the worker that connects
         min_size=1,
         max_size=max_size,
         timeout=timeout,

@@ -34,6 +34,21 @@ __all__ = ["PostgresService", "find_bin_dir"]
 
 DATABASE = "beamflow"
 SUPERUSER = "postgres"
+# Members of this group role log in with scram-sha-256 over TLS only (never trust, never unencrypted); ``SECURE_ROLE``
+# is one, with a password generated at the first start and kept in ``<home>/secure/password`` (mode 600).
+# ``info["secure_dsn"]`` refers to that file (``password=file:...``, resolved where a connection opens:
+# beamflow/secrets.py) and verifies the server's certificate (self-signed, generated at setup with openssl).
+SCRAM_GROUP = "beamflow_scram"
+SECURE_ROLE = "beamflow_secure"
+_HBA_BEGIN = "# beamflow begin: roles in beamflow_scram log in with a password, over TLS, only"
+_HBA_END = "# beamflow end"
+_HBA_BLOCK = f"""{_HBA_BEGIN}
+hostssl  all  +{SCRAM_GROUP}  127.0.0.1/32  scram-sha-256
+hostssl  all  +{SCRAM_GROUP}  ::1/128       scram-sha-256
+host     all  +{SCRAM_GROUP}  all           reject
+local    all  +{SCRAM_GROUP}                reject
+{_HBA_END}
+"""
 OS_USER = "postgres"
 # Unix socket paths are limited to 107 bytes; past that we run TCP only.
 _MAX_SOCKET_DIR = 90
@@ -176,6 +191,9 @@ class PostgresService(LocalService):
         if len(str(self.socket_dir)) <= _MAX_SOCKET_DIR:
             self.socket_dir.mkdir(parents=True, exist_ok=True)
             socket_dir = str(self.socket_dir)
+        self._write_hba()
+        cert, key = self._tls_files()
+        password_file = self._secure_password_file()
         self._chown_tree(self.home)
         port = self._previous_port() or free_port()
         argv = [
@@ -190,6 +208,13 @@ class PostgresService(LocalService):
             f"unix_socket_directories={socket_dir}",
             "-c",
             "max_connections=100",
+            # TLS for whoever asks (libpq's default sslmode=prefer does); required for the scram group (pg_hba.conf).
+            "-c",
+            "ssl=on",
+            "-c",
+            f"ssl_cert_file={cert}",
+            "-c",
+            f"ssl_key_file={key}",
         ]
         log_path = self.home / "postgres.log"
         proc = start_process(argv, log_path, user=self._run_as(), cwd=self.home)
@@ -199,7 +224,19 @@ class PostgresService(LocalService):
             name=self.name,
             pids=[proc.pid],
             ports={"postgres": port},
-            info={"dsn": dsn, "admin_dsn": admin_dsn, "data": str(self.cluster_dir), "log": str(log_path)},
+            info={
+                "dsn": dsn,
+                "admin_dsn": admin_dsn,
+                # scram-sha-256 with the password read from a file when the connection opens.
+                "secure_dsn": (
+                    f"postgresql://{SECURE_ROLE}@127.0.0.1:{port}/{DATABASE}?password=file:{password_file}"
+                    f"&sslmode=verify-full&sslrootcert={cert}"
+                ),
+                "secure_password_file": str(password_file),
+                "tls_cert": str(cert),
+                "data": str(self.cluster_dir),
+                "log": str(log_path),
+            },
         )
 
         def accepting() -> bool:
@@ -211,11 +248,78 @@ class PostgresService(LocalService):
         try:
             wait_until(accepting, 60, f"PostgreSQL on 127.0.0.1:{port}")
             self._create_database(admin_dsn)
+            self._create_roles(dsn, password_file.read_text())
             wait_until(lambda: self.ready(state), 30, f"database {DATABASE!r}")
         except BaseException:
             stop_process_group(proc.pid, timeout=10)
             raise
         return state
+
+    def _write_hba(self) -> None:
+        """Password-over-TLS logins for the scram group, ahead of initdb's trust lines (the first match wins)."""
+        hba = self.cluster_dir / "pg_hba.conf"
+        text = hba.read_text()
+        if _HBA_BEGIN in text:  # an earlier start's block: replaced by this version's
+            before, _, rest = text.partition(_HBA_BEGIN)
+            text = before + rest.partition(_HBA_END + "\n")[2]
+        hba.write_text(_HBA_BLOCK + text.lstrip("\n"))
+
+    @property
+    def tls_dir(self) -> Path:
+        return self.home / "tls"
+
+    def _tls_files(self) -> tuple[Path, Path]:
+        """The server's certificate and key (EC P-256, for 127.0.0.1 and localhost), generated once with openssl."""
+        cert, key = self.tls_dir / "server.crt", self.tls_dir / "server.key"
+        if cert.exists() and key.exists():
+            return cert, key
+        openssl = shutil.which("openssl")
+        if openssl is None:
+            raise ServiceError("PostgreSQL's TLS certificate is made with `openssl` (Debian's openssl package)")
+        self.tls_dir.mkdir(parents=True, exist_ok=True)
+        result = subprocess.run(
+            [openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+             "-days", "3650", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost",
+             "-keyout", str(key), "-out", str(cert)],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        if result.returncode != 0:
+            raise ServiceError(f"openssl could not make PostgreSQL's certificate: {result.stderr.strip()[-500:]}")
+        os.chmod(key, 0o600)  # the server refuses a key others can read
+        return cert, key
+
+    def _secure_password_file(self) -> Path:
+        """The secure role's password: random, generated once, readable by this user only."""
+        import secrets
+
+        folder = self.home / "secure"
+        folder.mkdir(parents=True, exist_ok=True)
+        os.chmod(folder, 0o700)
+        path = folder / "password"
+        if not path.exists():
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as out:
+                out.write(secrets.token_urlsafe(24))
+        return path
+
+    @staticmethod
+    def _create_roles(dsn: str, password: str) -> None:
+        """The scram group (may create tables in the database's public schema) and the secure role in it."""
+        import psycopg
+        from psycopg import sql
+
+        with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as conn:
+            for role, login in ((SCRAM_GROUP, False), (SECURE_ROLE, True)):
+                if not conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,)).fetchone():
+                    conn.execute(
+                        sql.SQL("CREATE ROLE {} " + ("LOGIN" if login else "NOLOGIN")).format(sql.Identifier(role))
+                    )
+            conn.execute(sql.SQL("GRANT {} TO {}").format(sql.Identifier(SCRAM_GROUP), sql.Identifier(SECURE_ROLE)))
+            conn.execute(sql.SQL("GRANT USAGE, CREATE ON SCHEMA public TO {}").format(sql.Identifier(SCRAM_GROUP)))
+            # Set on every start (the server stores only its scram verifier; statements are not logged by default).
+            conn.execute(
+                sql.SQL("ALTER ROLE {} PASSWORD {}").format(sql.Identifier(SECURE_ROLE), sql.Literal(password))
+            )
 
     @staticmethod
     def _create_database(admin_dsn: str) -> None:

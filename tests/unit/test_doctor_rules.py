@@ -47,6 +47,19 @@ CASES: dict[str, tuple[list[str], list[str], str]] = {
     "idleness-off": (["kafka.idle_timeout_ms=null"], [], "warning"),
     "no-stable-sink-id": (["iceberg.sink_id=null"], [], "error"),
     "unstable-sink-id": (["iceberg.sink_id=clicks-run-20261129"], [], "error"),
+    "inline-password": (
+        ["postgres.dsn=postgresql://app:s3cret@db.internal:5432/beamflow"],
+        ["postgres.dsn=postgresql://app@db.internal:5432/beamflow?password=env:PGPASSWORD"],
+        "warning",
+    ),
+    "plaintext-kafka": (
+        ["kafka.bootstrap=kafka-1.internal:9092,kafka-2.internal:9092"],
+        [
+            "kafka.bootstrap=kafka-1.internal:9093",
+            "kafka.consumer_config={security.protocol: SASL_SSL, sasl.password: 'env:KAFKA_PASSWORD'}",
+        ],
+        "warning",
+    ),
 }
 
 
