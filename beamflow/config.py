@@ -61,7 +61,14 @@ AUTO = "auto"
 
 
 class ConfigError(ValueError):
-    """A configuration that cannot be used; the message is one line naming the key."""
+    """A configuration that cannot be used; the message is one line naming the key.
+
+    Keys and values come from the user: characters that are not printable (newlines, carriage returns, escapes)
+    are shown escaped, so the message stays one line and cannot rewrite the terminal.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__("".join(c if c.isprintable() else repr(c)[1:-1] for c in str(message)))
 
 
 @dataclass(frozen=True)
@@ -376,18 +383,39 @@ def apply_overrides(config: dict[str, Any], overrides: Sequence[str]) -> dict[st
             if not isinstance(child, dict):
                 raise ConfigError(f"override {item!r}: {key} is not a section")
             node = child
-        node[keys[-1]] = yaml.safe_load(raw) if raw else ""
+        node[keys[-1]] = _yaml(raw, f"override {path}") if raw else ""
     return out
 
 
-def _load_raw(path: str | Path) -> dict[str, Any]:
-    text = Path(path).read_text()
-    loaded = yaml.safe_load(text) or {}
+def _yaml(text: str, where: str) -> Any:
+    """YAML's safe subset (no tags that build objects); a syntax error as one ConfigError line."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        problem = getattr(exc, "problem", None) or type(exc).__name__
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ConfigError(f"{where} is not valid YAML: {problem}{at}") from None
+
+
+def _load_raw(path: str | Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    resolved = Path(path).resolve()
+    if resolved in seen:
+        raise ConfigError(f"{path}: extends itself (through {' -> '.join(p.name for p in seen)})")
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path} is not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror or type(exc).__name__}") from None
+    loaded = _yaml(text, str(path)) or {}
     if not isinstance(loaded, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     base_path = loaded.pop("extends", None)
     if base_path:
-        loaded = _merge(_load_raw(Path(path).parent / base_path), loaded)
+        if not isinstance(base_path, str):
+            raise ConfigError(f"{path}: extends must name a file, got {base_path!r}")
+        loaded = _merge(_load_raw(Path(path).parent / base_path, (*seen, resolved)), loaded)
     return loaded
 
 
