@@ -13,7 +13,10 @@ Two pairs, each printed with its ratio:
 Both sides use seed 002's producer settings (``DEFAULT_PRODUCER_CONFIG``: 128 KB batches, linger 75 ms, lz4). The
 transform's figure includes pipeline start-up, as a user would see it; a second ("steady") figure takes it out using
 a 1,000-record run of the same transform: ``(records - 1000) / (seconds - seconds_for_1000)``. Each figure is the
-best of ``--repeat`` interleaved runs. The run audits itself: every topic written is read back with a plain
+best of ``--repeat`` interleaved runs. Where the time goes, printed after the table: the same pipeline with a no-op
+sink instead of the transform ("feed": start-up, Create, Reshuffle, making the records), and the exactly-once
+writers' time in each step (ledger claim, Kafka transaction, ledger settle), summed over the shard threads. The run
+audits itself: every topic written is read back with a plain
 ``read_committed`` consumer, and the benchmark exits non-zero unless each side wrote each record exactly once.
 """
 
@@ -32,7 +35,7 @@ import apache_beam as beam
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 from beamflow.kafka.admin import create_topic
-from beamflow.kafka.producer import DEFAULT_PRODUCER_CONFIG, ProducerRecord
+from beamflow.kafka.producer import DEFAULT_PRODUCER_CONFIG, ExactlyOnceShardWriter, ProducerRecord
 from beamflow.services import ServiceSet
 from beamflow.services.paths import data_dir
 from runners.direct import local_options
@@ -109,7 +112,13 @@ class _Generate(beam.DoFn):
             yield ProducerRecord(_value(i, self._size), _key(i))
 
 
+class _Discard(beam.DoFn):
+    def process(self, record: ProducerRecord) -> Iterator[Any]:
+        return iter(())
+
+
 def transform(bootstrap: str, dsn: str, topic: str, total: int, size: int, mode: str, shards: int, batch: int) -> float:
+    """Records/s of the transform (``mode="feed"``: of the same pipeline with a no-op sink)."""
     chunk = min(total, 1000)
     kwargs: dict[str, Any] = {"mode": mode}
     if mode == "exactly-once":
@@ -122,16 +131,36 @@ def transform(bootstrap: str, dsn: str, topic: str, total: int, size: int, mode:
         )
     start = time.perf_counter()
     with beam.Pipeline(options=local_options()) as p:
-        (
+        records = (
             p
             | beam.Create(list(range(0, total, chunk)))
             | beam.Reshuffle()  # the chunks spread over bundles, as records from a source would be
             | beam.ParDo(_Generate(size, chunk))
-            | WriteToKafka(bootstrap, topic, **kwargs)
         )
+        if mode == "feed":
+            records | beam.ParDo(_Discard())
+        else:
+            records | WriteToKafka(bootstrap, topic, **kwargs)
     seconds = time.perf_counter() - start
     close_shared_writers()
     return total / seconds
+
+
+STEP_SECONDS: dict[str, float] = {}
+
+
+def _timed(name: str) -> None:
+    """Wraps ExactlyOnceShardWriter.<name> to add its seconds to STEP_SECONDS (the breakdown; threads add up)."""
+    original = getattr(ExactlyOnceShardWriter, name)
+
+    def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            STEP_SECONDS[name] = STEP_SECONDS.get(name, 0.0) + time.perf_counter() - start
+
+    setattr(ExactlyOnceShardWriter, name, timed)
 
 
 def audit(bootstrap: str, topic: str, total: int) -> str:
@@ -189,6 +218,11 @@ def main() -> None:
 
     problems: list[str] = []
     rows = []
+    for step in ("_ensure_producer", "_claim", "_transaction", "_settle"):
+        _timed(step)
+    feed = 0.0
+    eos_seconds = 0.0
+    steps: dict[str, float] = {}
     try:
         for mode, goal in (("exactly-once", 0.5), ("at-least-once", 0.7)):
             bare = full = small = 0.0
@@ -200,13 +234,21 @@ def main() -> None:
                     bare = max(bare, bare_idempotent(bootstrap, topic, total, size))
                 problems.append(audit(bootstrap, topic, total))
                 topic = fresh_topic()
-                full = max(full, transform(bootstrap, dsn, topic, total, size, mode, args.shards, args.batch))
+                before = dict(STEP_SECONDS)
+                rate = transform(bootstrap, dsn, topic, total, size, mode, args.shards, args.batch)
+                if rate > full:
+                    full = rate
+                    if mode == "exactly-once":  # the breakdown of the best run
+                        steps = {k: STEP_SECONDS[k] - before.get(k, 0.0) for k in STEP_SECONDS}
+                        eos_seconds = total / rate
                 problems.append(audit(bootstrap, topic, total))
                 topic = fresh_topic()
                 small = max(small, transform(bootstrap, dsn, topic, SMALL, size, mode, args.shards, args.batch))
                 problems.append(audit(bootstrap, topic, SMALL))
             steady = (total - SMALL) / max(total / full - SMALL / small, 1e-9)
             rows.append((mode, bare, full, steady, goal))
+        for _ in range(args.repeat):
+            feed = max(feed, transform(bootstrap, dsn, "", total, size, "feed", args.shards, args.batch))
     finally:
         services.down(["kafka", "postgres"])
     print(f"{'mode':14} {'bare rec/s':>11} {'transform rec/s':>16} {'ratio':>6} {'steady rec/s':>13} {'ratio':>6} goal")
@@ -214,6 +256,11 @@ def main() -> None:
         print(
             f"{mode:14} {bare:11,.0f} {full:16,.0f} {full / bare:6.2f} {steady:13,.0f} {steady / bare:6.2f} >= {goal}"
         )
+    print(
+        f"where the time goes: feed (same pipeline, no-op sink) {total / feed:.1f}s = {1e6 / feed:.0f} us/record; "
+        f"exactly-once best run {eos_seconds:.1f}s, writer steps summed over {args.shards} shard threads: "
+        + ", ".join(f"{k.strip('_')} {v:.1f}s ({1e6 * v / total:.0f} us/record)" for k, v in steps.items())
+    )
     print(
         f"(steady = without the start-up measured on a {SMALL:,}-record run; load average now {os.getloadavg()[0]:.1f})"
     )
