@@ -257,11 +257,16 @@ class _ReadPartitionFn(beam.DoFn, _PartitionRestrictions, _PartitionWatermarks):
         last_claimed: int | None,
         emitted: int,
         watermark: PartitionWatermark,
+        late: int,
     ) -> None:
-        """Per-partition metrics, once per bundle: records, consumer lag (end offset minus position), idleness."""
+        """Per-partition metrics, once per bundle: records, late records (so a partition that comes back from
+        idleness with old records shows which partition they came from), consumer lag (end offset minus position),
+        idleness."""
         ns = "beamflow.kafka"
         if emitted:
             Metrics.counter(ns, f"records_read.{tp}").inc(emitted)
+        if late:
+            Metrics.counter(ns, f"late_records.{tp}").inc(late)
         position = restriction.start if last_claimed is None else last_claimed + 1
         try:
             _, high = consumer.watermarks(tp, timeout_s=2.0)
@@ -297,7 +302,7 @@ class _ReadPartitionFn(beam.DoFn, _PartitionRestrictions, _PartitionWatermarks):
         ):
             consumer.assign(tp, restriction.start)
             deadline = time.monotonic() + config.max_bundle_seconds
-            emitted = 0
+            emitted = late_here = 0
             last_claimed: int | None = None
             try:
                 while True:
@@ -328,6 +333,7 @@ class _ReadPartitionFn(beam.DoFn, _PartitionRestrictions, _PartitionWatermarks):
                             last_claimed = record.offset
                             if watermark.observe_record(event_ms, now):
                                 self._late.inc()
+                                late_here += 1
                             self._records.inc()
                             self._bytes.inc(len(record.value or b"") + len(record.key or b""))
                             emitted += 1
@@ -369,6 +375,7 @@ class _ReadPartitionFn(beam.DoFn, _PartitionRestrictions, _PartitionWatermarks):
                             self._bytes.inc(size)
                             if late:
                                 self._late.inc(late)
+                                late_here += late
                         if beyond is not None:
                             tracker.try_claim(beyond.offset)  # fails: the restriction is complete
                             return
@@ -385,7 +392,7 @@ class _ReadPartitionFn(beam.DoFn, _PartitionRestrictions, _PartitionWatermarks):
                     # would never be committed (the group would lag forever behind a caught-up job).
                     next_offset = restriction.start if last_claimed is None else last_claimed + 1
                     bundle_finalizer.register(lambda: self._finalized(tp, next_offset))
-                self._report(tp, consumer, restriction, last_claimed, emitted, watermark)
+                self._report(tp, consumer, restriction, last_claimed, emitted, watermark, late_here)
 
 
 class _UnboundedReadPartitionFn(_ReadPartitionFn):

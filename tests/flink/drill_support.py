@@ -304,10 +304,7 @@ def sink_holdings(config: dict[str, Any]) -> dict[int, int]:
     do: sinks fed by shuffled batches can hold offset 500 while 480 is still missing, and a commit past 480 then
     loses it on a restart from the group's offsets. Returns the last offset of the prefix (-1: none).
     """
-    try:
-        held = accounted_offsets(config)
-    except Exception:  # the Iceberg table appears with the first commit
-        held = {"iceberg": [], "dead": [], "quarantine": []}
+    held = accounted_offsets(config)  # a sink that cannot be read raises: the sampler skips that sample
     return {p: first - 1 for p, first in contiguous_prefix(held["iceberg"] + held["dead"] + held["quarantine"]).items()}
 
 
@@ -389,16 +386,20 @@ def accounted_offsets(config: dict[str, Any]) -> dict[str, Any]:
     """Every Kafka coordinate the sinks hold, by sink: Iceberg rows, dead letters, quarantined duplicates."""
     import psycopg
     from psycopg import sql
+    from pyiceberg.exceptions import NoSuchTableError
 
     from beamflow.iceberg.catalog import CatalogConfig, open_catalog
 
     ice = config["iceberg"]
     catalog = open_catalog(CatalogConfig(warehouse=ice["catalog"]["warehouse"], uri=ice["catalog"]["uri"]))
-    table = catalog.load_table(ice["table"]).scan(selected_fields=("partition", "offset", "event_id")).to_arrow()
-    out: dict[str, Any] = {
-        "iceberg": list(zip(table["partition"].to_pylist(), table["offset"].to_pylist(), strict=True)),
-        "event_ids": table["event_id"].to_pylist(),
-    }
+    out: dict[str, Any] = {"iceberg": [], "event_ids": []}
+    # Only a table that does not exist yet (it appears with the first commit) counts as holding nothing. Any other
+    # failure (PostgreSQL restarting in a drill, say) must not read as "the sinks hold nothing": that made a sample
+    # taken during the PostgreSQL restart look like a commit ahead of the sinks.
+    with contextlib.suppress(NoSuchTableError):
+        table = catalog.load_table(ice["table"]).scan(selected_fields=("partition", "offset", "event_id")).to_arrow()
+        out["iceberg"] = list(zip(table["partition"].to_pylist(), table["offset"].to_pylist(), strict=True))
+        out["event_ids"] = table["event_id"].to_pylist()
     pg = config["postgres"]
     with psycopg.connect(pg["dsn"], autocommit=True) as conn:
         for name, key in (("dead", "dead_letters_table"), ("quarantine", "quarantine_table")):

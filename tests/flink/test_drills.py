@@ -32,7 +32,7 @@ import pytest
 import yaml
 
 from beamflow.cli import main as cli_main
-from beamflow.cli.status import JobStatus, collect_status, format_status
+from beamflow.cli.status import JobStatus, collect_status, committed_records, format_status
 from beamflow.flink_rest import FlinkRestError
 from beamflow.generate import GeneratedTraffic
 from beamflow.kafka.admin import create_topic
@@ -386,7 +386,13 @@ def fault_drill(
         notes["restores_after_worker_kill"] = main.rest.checkpoints(str(main.job_id)).get("counts", {}).get("restored")
         feeder.resume()
 
-        # beamflow status after the failover: sink figures since the start, Beam counters of this attempt.
+        # beamflow status after the failover: sink figures since the start, Beam counters of this attempt. Offsets
+        # are committed one completed checkpoint after the sinks hold the records, and on a loaded machine the first
+        # commit may come after the restore: wait for it (event-driven), so the figure shown is a real one.
+        deadline = time.monotonic() + 300
+        while committed_records(config) == 0:
+            assert time.monotonic() < deadline, "nothing committed to the group 300 s after the worker kill"
+            time.sleep(2)
         status = collect_status(main.rest, str(main.job_id), config)
         notes["status_after_failover"] = {"sinks": status.sink_totals, "counters": status.metrics}
         notes["sinks_at_status"] = sink_counts(config)

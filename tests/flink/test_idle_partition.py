@@ -101,12 +101,13 @@ def idle_job(kafka: ServiceState, flink: ServiceState, tmp_path_factory: pytest.
 
 
 def _produce_burst(job: IdleJob, user: str) -> int:
-    """One user's clicks on partitions 0 and 1, stamped over the last second of wall time (never before the previous
-    burst: the caller paces bursts a second apart, so no record of the flowing partitions is late)."""
+    """One user's clicks on partitions 0 and 1, stamped over the next 0.9 s of wall time from the moment they are
+    sent. Never late on a flowing partition: the caller paces bursts a second apart, so a burst is newer than the one
+    before; and on a loaded machine a pause of more than ``IDLE_MS`` between bursts makes a flowing partition idle
+    too, which moves its watermark to the reader's wall clock, still before this burst was sent (stamps of the last
+    second would then be late, as the read rightly counts: seen at load average 14)."""
     now = int(time.time() * 1000)
-    records = [
-        (user.encode(), b"click", {"partition": i % 2, "timestamp_ms": now - 900 + 100 * i}) for i in range(BURST)
-    ]
+    records = [(user.encode(), b"click", {"partition": i % 2, "timestamp_ms": now + 100 * i}) for i in range(BURST)]
     produce(job.bootstrap, job.topic, records)
     return now
 
@@ -158,10 +159,16 @@ def test_sessions_fire_while_a_partition_is_silent_only_with_idleness_and_late_r
     assert (late_pane[0]["start_ms"], late_pane[0]["end_ms"]) == (newest["start_ms"], newest["end_ms"])
     assert not [p for p in job.panes("idle") if p["key"] == "ancient"], "a record beyond the lateness was aggregated"
 
+    # Both records are counted late on the silent partition, by the idle read only (the other read never published
+    # a watermark there). The flowing partitions' late counts are not asserted: on a loaded machine a pause of more
+    # than IDLE_MS between two bursts makes a flowing partition idle too, and a record the poll had not fetched yet
+    # is then rightly late (seen at load average 15).
+    silent = f"beamflow_kafka_late_records_{job.topic}-2"
     deadline = time.monotonic() + 120  # Beam counters reach Flink when bundles finish
     metrics, _ = beam_metrics(job.rest, job.job_id)
-    while metrics.get("beamflow_kafka_late_records", 0) < 2 and time.monotonic() < deadline:
+    while metrics.get(silent, 0) < 2 and time.monotonic() < deadline:
         time.sleep(2)
         metrics, _ = beam_metrics(job.rest, job.job_id)
-    assert metrics.get("beamflow_kafka_late_records") == 2, metrics
+    assert metrics.get(silent) == 2, metrics
+    assert metrics.get("beamflow_kafka_late_records", 0) >= 2, metrics
     assert job.rest.job_state(job.job_id) == "RUNNING"

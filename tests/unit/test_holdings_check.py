@@ -27,3 +27,21 @@ def test_commits_within_the_prefix_pass() -> None:
     assert _sample({0: 480}, held).ahead() == {}
     assert contiguous_prefix(held) == {0: 480}
     assert _sample({0: 1}, []).ahead() == {0: (1, 0)}
+
+
+def test_a_sink_that_cannot_be_read_skips_the_sample_instead_of_reading_as_empty(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Seen in the fault drill: a sample taken while PostgreSQL restarted read as "the sinks hold nothing" and was
+    # reported as a commit ahead of the sinks. A failed read is an error of the sampler, never a holding of zero.
+    from tests.flink import drill_support
+
+    def postgres_restarting(config: object) -> dict[str, object]:
+        raise OSError("connection refused")
+
+    monkeypatch.setattr(drill_support, "committed_offsets", lambda config: {0: 377, 1: 586})
+    monkeypatch.setattr(drill_support, "accounted_offsets", postgres_restarting)
+    sampler = drill_support.OffsetSampler({})
+    sampler.sample()
+    assert sampler.samples == [] and sampler.errors == ["OSError: connection refused"]
+    assert sampler.violations() == []
