@@ -1,0 +1,186 @@
+"""The rides job (seed 002) submitted as users submit it, ``python -m pipelines.rides --runner=FlinkRunner``, streaming
+on the local Flink cluster in the production shape (parallelism 2, two TaskManagers with their own Python workers,
+checkpoints every 3 s), on a backlog of rides with every kind of trouble: hot drivers, duplicate sends, late rides
+(late panes within the allowed lateness) and too-late ones, an idle partition (idleness lets the other partition's
+sessions fire), unknown drivers and zones, bad records.
+
+Audited from the outside once the sessions have closed: the result topic by a plain confluent-kafka
+``read_committed`` consumer (no result id twice; the newest pane of every session not superseded by a merge counts
+each ride once, and those sessions are the sessions of one pass over the rides), the cell store the same way, the
+dead letters by cause and the quarantine exactly as the traffic says. The kill drills of issue 17's acceptance build on
+this submission.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from beamflow.config import JobConfig, load_config
+from beamflow.flink_rest import FlinkRest
+from beamflow.generate import (
+    RideTrafficSpec,
+    avro_ride_encoder,
+    generate_traffic,
+    ride_dimensions,
+    seed_ride_dimensions,
+)
+from beamflow.kafka.admin import create_topic, produce
+from beamflow.services import ServiceSet, ServiceState
+from beamflow.services.paths import project_root
+from pipelines.rides_demo import (
+    ResultsAudit,
+    audit_cells,
+    audit_results,
+    dead_letters_by_cause,
+    expected_outcome,
+)
+from runners.flink import service_settings
+from tests.flink.drill_support import DrillJob, drill_config
+
+pytestmark = pytest.mark.flink
+
+GAP_S = 20  # sessions close 20 s of event time after a driver's last ride, so they fire while the test runs
+
+
+def rides_config(
+    kafka: ServiceState, postgres: ServiceState, registry: ServiceState, flink: ServiceState, data: Path
+) -> dict[str, Any]:
+    """conf/rides.yaml with unique topics and tables, streaming on the local cluster with the drills' Flink settings."""
+    drill = drill_config("rides", kafka, postgres, registry, flink, data, **service_settings(flink))
+    run = drill["job"]["name"]
+    config = load_config(project_root() / "conf" / "rides.yaml")
+    config["job"]["name"] = run
+    config["flink"] = drill["flink"]
+    config["kafka"].update(
+        bootstrap=kafka.info["bootstrap"],
+        topic=f"rides-{run}",
+        group_id=f"rides-{run}",
+        partitions=2,
+        bounded=False,
+        max_delay_ms=2000,
+        idle_timeout_ms=5000,
+    )
+    config["registry"].update(url=registry.info["url"], subject=f"rides-{run}-value")
+    config["postgres"].update(
+        dsn=postgres.info["dsn"], dead_letters_table=f"ride_dead_{run}", quarantine_table=f"ride_dups_{run}"
+    )
+    config["lookups"]["drivers"]["table"] = f"drivers_{run}"
+    config["lookups"]["zones"]["table"] = f"zones_{run}"
+    config["sessions"]["gap_s"] = GAP_S
+    config["kafka_sink"].update(
+        topic=f"ride-sessions-{run}",
+        sink_group=f"ride-sessions-{run}",
+        ledger_table=f"ride_ledger_{run}",
+        partitions=2,
+        shards=2,
+    )
+    config["cells"]["table"] = f"ride_cells_{run}"
+    return config
+
+
+@pytest.fixture(scope="module")
+def rides_run(
+    kafka: ServiceState,
+    postgres: ServiceState,
+    registry: ServiceState,
+    flink: ServiceState,
+    service_set: ServiceSet,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[dict[str, Any]]:
+    raw = rides_config(kafka, postgres, registry, flink, service_set.data)
+    config = JobConfig.from_dict(raw)
+    spec = RideTrafficSpec(
+        events=1500,
+        users=60,
+        zones=20,
+        partitions=2,
+        idle_partition=1,
+        duplicate_share=0.05,
+        late_share=0.02,
+        too_late_share=0.01,
+        unknown_driver_share=0.02,
+        unknown_zone_share=0.03,
+        bad_per_kind=2,
+        step_ms=200,
+        seed=17,
+    )
+    dimensions = ride_dimensions(spec)
+    seed_ride_dimensions(
+        postgres.info["dsn"], dimensions, raw["lookups"]["drivers"]["table"], raw["lookups"]["zones"]["table"]
+    )
+    traffic = generate_traffic(spec, avro_ride_encoder(raw["registry"]["url"], raw["registry"]["subject"]))
+    create_topic(kafka.info["bootstrap"], raw["kafka"]["topic"], 2)
+    create_topic(kafka.info["bootstrap"], raw["kafka_sink"]["topic"], 2)
+    produce(
+        kafka.info["bootstrap"],
+        raw["kafka"]["topic"],
+        ((r.key, r.value, {"partition": r.partition, "timestamp_ms": r.timestamp_ms}) for r in traffic.records),
+    )
+    expected = expected_outcome(
+        [traffic], {d["driver_id"] for d in dimensions.drivers}, GAP_S * 1000, config.sessions.allowed_lateness_s * 1000
+    )
+    job = DrillJob(raw, tmp_path_factory.mktemp("rides"), "main", module="pipelines.rides")
+    result: dict[str, Any] = {"config": config, "traffic": traffic, "expected": expected, "job": job}
+    t0 = time.monotonic()
+    try:
+        job.start()
+        result["submitted_s"] = round(time.monotonic() - t0, 1)
+        # Every session closes once both partitions are idle (the watermark then moves to now); wait for all of them.
+        deadline = time.monotonic() + 420
+        topic = ResultsAudit()
+        while time.monotonic() < deadline:
+            topic = audit_results(config)
+            if topic.rides >= expected["session_rides"]:
+                break
+            time.sleep(5)
+        result["done_s"] = round(time.monotonic() - t0, 1)
+        time.sleep(5)  # a replayed or late pane still in flight would show now
+        result["topic"], result["cells"] = audit_results(config), audit_cells(config)
+        result["dead_letters"] = dead_letters_by_cause(config)
+        assert job.job_id is not None
+        rest = FlinkRest(raw["flink"]["rest_url"])
+        result["state"] = rest.job_state(job.job_id)
+        result["checkpoints"] = rest.checkpoints(job.job_id)["counts"]
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{job.diagnosis()}") from exc
+    finally:
+        job.cancel()
+    print(
+        f"\nrides on Flink: {traffic.summary()}; submitted in {result.get('submitted_s')}s, all sessions in "
+        f"{result.get('done_s')}s; topic {result.get('topic')!r:.200}; checkpoints {result.get('checkpoints')}"
+    )
+    yield result
+
+
+def test_each_result_once_and_each_ride_in_one_current_session(rides_run: dict[str, Any]) -> None:
+    expected, topic, cells = rides_run["expected"], rides_run["topic"], rides_run["cells"]
+    assert rides_run["state"] == "RUNNING" and rides_run["checkpoints"]["completed"] >= 1
+    assert topic.results == topic.distinct_ids  # no result id twice for a read_committed reader
+    assert topic.rides == topic.distinct_rides == expected["session_rides"]
+    assert topic.sessions == expected["sessions"]
+    assert cells.rides == cells.distinct_rides == expected["session_rides"]
+    assert cells.sessions == expected["sessions"]
+    assert topic.unknown_zone_rides == cells.unknown_zone_rides == expected["unknown_zone_rides"]
+
+
+def test_unknown_drivers_too_late_rides_and_bad_records_are_dead_letters_duplicates_quarantined(
+    rides_run: dict[str, Any],
+) -> None:
+    import psycopg
+    from psycopg import sql
+
+    expected, traffic = rides_run["expected"], rides_run["traffic"]
+    assert rides_run["dead_letters"] == {
+        "undecodable": expected["bad_records"],
+        "unknown_driver": expected["unknown_driver_rides"],
+        "too_late": expected["too_late_rides"],
+    }
+    pg = rides_run["config"].postgres
+    with psycopg.connect(pg.dsn) as conn:
+        row = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(pg.quarantine_table))).fetchone()
+    assert row is not None and row[0] == traffic.counts["duplicate_sends"]
