@@ -36,10 +36,13 @@ class _PooledLookup:
 
     def __enter__(self) -> Any:
         if self._pool is None:
+            from beamflow.postgres.retry import check_login
             from beamflow.secrets import postgres_conninfo
 
+            conninfo = postgres_conninfo(self.dsn)  # a password reference is resolved where the connection opens
+            check_login(conninfo, max(1, int(self.timeout_s)))  # a refused login: one line now, not timeouts later
             self._pool = ConnectionPool(
-                postgres_conninfo(self.dsn),  # a password reference is resolved where the connection opens
+                conninfo,
                 min_size=1,
                 max_size=self.pool_size,
                 timeout=self.timeout_s,  # waiting for a connection counts against the same deadline

@@ -13,7 +13,16 @@ from typing import TypeVar
 import psycopg
 import psycopg_pool
 
-__all__ = ["RetryPolicy", "error_code", "error_message", "is_data_error", "is_refused", "is_transient"]
+__all__ = [
+    "PostgresRefused",
+    "RetryPolicy",
+    "check_login",
+    "error_code",
+    "error_message",
+    "is_data_error",
+    "is_refused",
+    "is_transient",
+]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -66,6 +75,30 @@ def is_refused(exc: BaseException) -> bool:
     return sqlstate.startswith("28") or (
         isinstance(exc, psycopg.OperationalError) and any(text in str(exc) for text in _REFUSED)
     )
+
+
+class PostgresRefused(RuntimeError):
+    """PostgreSQL refused the login (credentials or TLS): one line naming the server, the user and the reason."""
+
+
+def check_login(conninfo: str, connect_timeout: int = 10) -> None:
+    """One connection attempt before a pool starts: a refused login raises ``PostgresRefused`` now, instead of a
+    pool retrying in the background until its callers time out without the reason. Anything else (the server is
+    down or restarting) is left to the pool and the retry policy."""
+    try:
+        psycopg.connect(conninfo, connect_timeout=connect_timeout).close()
+    except psycopg.OperationalError as exc:
+        if not is_refused(exc):
+            return
+        from psycopg.conninfo import conninfo_to_dict
+
+        params = conninfo_to_dict(conninfo)
+        where = f"{params.get('host', 'localhost')}:{params.get('port', 5432)}"
+        reason = " ".join(str(exc).split()).rpartition("failed: ")[2] or type(exc).__name__
+        raise PostgresRefused(
+            f"PostgreSQL at {where} refused user {params.get('user', '?')!r}: {reason} (check postgres.dsn and the "
+            "secret it names)"
+        ) from None
 
 
 def is_transient(exc: BaseException) -> bool:

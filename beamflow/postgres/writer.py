@@ -78,10 +78,13 @@ SourceOf = Callable[[Mapping[str, Any]], tuple[str | None, int | None, int | Non
 def open_pool(dsn: str, max_size: int = 2, timeout: float = 10.0) -> ConnectionPool:
     """A small psycopg pool whose connections are health-checked on checkout (a restarted server leaves dead
     ones)."""
+    from beamflow.postgres.retry import check_login
     from beamflow.secrets import postgres_conninfo
 
+    conninfo = postgres_conninfo(dsn)  # a password reference (env:/file:) is resolved here, in the worker that connects
+    check_login(conninfo)  # a refused login fails here, in one line, not as pool timeouts retried for minutes
     pool = ConnectionPool(
-        postgres_conninfo(dsn),  # a password reference (env:/file:) is resolved here, in the worker that connects
+        conninfo,
         min_size=1,
         max_size=max_size,
         timeout=timeout,

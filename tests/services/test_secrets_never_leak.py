@@ -162,3 +162,31 @@ def test_a_sentinel_password_appears_nowhere(
     searched.update({f"error {i}": m for i, m in enumerate(messages)})
     assert "postgres counts unavailable" in searched["status"]
     assert not [where for where, text in searched.items() if SENTINEL in text], searched
+
+
+def test_a_wrong_password_is_one_line_naming_the_server_at_once(
+    postgres: ServiceState, sentinel_role: tuple[str, Path], tmp_path: Path
+) -> None:
+    """The pooled sinks and lookups check the login before their pool starts: without that, a pool retries in the
+    background and its callers see only timeouts, retried for minutes, with no reason."""
+    from beamflow.postgres.lookups import PostgresTableLookup
+    from beamflow.postgres.retry import PostgresRefused
+    from beamflow.postgres.writer import open_pool
+
+    role, _ = sentinel_role
+    wrong = tmp_path / "wrong"
+    wrong.write_text(SENTINEL[::-1])
+    port = postgres.ports["postgres"]
+    dsn = (
+        f"postgresql://{role}@127.0.0.1:{port}/beamflow?password=file:{wrong}"
+        f"&sslmode=verify-full&sslrootcert={postgres.info['tls_cert']}"
+    )
+    for opener in (lambda: open_pool(dsn), lambda: PostgresTableLookup(dsn, "drivers", "driver_id", ["x"]).__enter__()):
+        started = time.monotonic()
+        with pytest.raises(PostgresRefused) as failure:
+            opener()
+        assert time.monotonic() - started < 5
+        message = str(failure.value)
+        assert len(message.splitlines()) == 1 and SENTINEL not in message and SENTINEL[::-1] not in message
+        assert message.startswith(f"PostgreSQL at 127.0.0.1:{port} refused user '{role}'")
+        assert "password authentication failed" in message
