@@ -131,10 +131,10 @@ class _ToRecord(beam.DoFn):
         yield record
 
 
-def _chunks(group: tuple[int, Iterable[ProducerRecord]], size: int) -> Iterator[tuple[int, list[ProducerRecord]]]:
+def _chunks(group: tuple[int, Iterable[Any]], size: int) -> Iterator[tuple[int, list[Any]]]:
     """A shard's grouped records in lists of at most ``size``, read lazily (the group may be large)."""
     shard, records = group
-    chunk: list[ProducerRecord] = []
+    chunk: list[Any] = []
     for record in records:
         chunk.append(record)
         if len(chunk) >= size:
@@ -145,11 +145,17 @@ def _chunks(group: tuple[int, Iterable[ProducerRecord]], size: int) -> Iterator[
 
 
 class _Shard(beam.DoFn):
+    """(shard, the record as a plain tuple): tuples of bytes, str and int cross the shuffle through the fast coder's
+    native path, where a dataclass would be pickled one by one (the writer makes records of them again)."""
+
     def __init__(self, shards: int) -> None:
         self._shards = shards
 
-    def process(self, record: ProducerRecord) -> Iterator[tuple[int, ProducerRecord]]:
-        yield shard_of(record, self._shards), record
+    def process(self, record: ProducerRecord) -> Iterator[tuple[int, tuple[Any, ...]]]:
+        yield (
+            shard_of(record, self._shards),
+            (record.value, record.key, record.headers, record.record_id, record.timestamp_ms),
+        )
 
 
 # ---- the two sink DoFns ----------------------------------------------------------------------------------------
@@ -230,14 +236,15 @@ class _TransactionalFn(SinkFn):
                 _USERS[key] = _USERS.get(key, 0) + 1
         return found
 
-    def add(self, element: tuple[int, Iterable[ProducerRecord]]) -> list[Any]:
+    def add(self, element: tuple[int, Iterable[tuple[Any, ...]]]) -> list[Any]:
         # Shards are written in parallel (one thread per shard, so a shard's batches stay in order): a write mostly
         # waits on PostgreSQL and the broker. Every one has committed before flush returns, i.e. before the bundle
         # ends, as if written here.
         shard, batch = element
         if shard not in self._threads:
             self._threads[shard] = ThreadPoolExecutor(1, thread_name_prefix=f"kafka-shard-{shard}")
-        self._pending.append(self._threads[shard].submit(self._write, shard, list(batch)))
+        records = [ProducerRecord(*fields) for fields in batch]
+        self._pending.append(self._threads[shard].submit(self._write, shard, records))
         outputs: list[Any] = []
         while len(self._pending) > 2 * len(self._threads):  # bounded: a bundle's batches are not all held at once
             try:
