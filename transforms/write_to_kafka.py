@@ -384,17 +384,19 @@ class WriteToKafka(beam.PTransform):
     sharded by a deterministic hash (of the key, else of the record id) into ``shards`` shards, batched per shard
     (unbounded input: ``GroupIntoBatches``, at most ``batch_size`` records, at most ``max_buffering_s`` waiting; bounded
     input: one ``GroupByKey`` per shard, cut into ``batch_size`` lists where they are written), and each batch is one
-    Kafka transaction of its shard's producer (``transactional.id = <sink_group>-<shard>``), committed in the writer's
-    ``process`` before the bundle ends, never in a bundle finalizer. Before producing, the batch's record ids are
-    checked against and recorded in a PostgreSQL ledger (``ledger_table``): ids already there are replays and skipped. A
-    crash between the ledger and the Kafka commit leaves the attempt pending; the next writer decides it from a marker
-    committed atomically with the transaction (the sink group's offset on ``TopicPartition(topic, shard)``). Zombie
-    writers are fenced by the producer epoch. Why not a transaction per checkpoint (Flink's ``KafkaSink``) or committing
-    in a bundle finalizer: librdkafka cannot commit a prepared transaction from another producer instance, and Beam's
-    Flink runner finalizes bundles from an in-memory list, so a crash after a checkpoint would lose the prepared
-    transaction, or a finalizer would commit a bundle the checkpoint does not cover; and Beam Python 2.62 cannot request
-    stable input, so Beam Java's sequence numbers would not replay identically. Record ids make the replay's order and
-    batching irrelevant.
+    Kafka transaction of its shard's producer (``transactional.id = <sink_group>-<shard>``), committed before the
+    writer's bundle ends (shards in parallel, one thread each, all joined in ``finish_bundle``), never in a bundle
+    finalizer. Before producing, the batch's record ids are checked against and recorded in a PostgreSQL ledger (tables
+    ``ledger_table``, ``<ledger_table>_shards``, ``<ledger_table>_attempts``, created if missing): ids already there are
+    replays and skipped. A crash between the ledger and the Kafka commit leaves the attempt pending; the next writer
+    decides it from a marker committed atomically with the transaction (the sink group's offset on
+    ``TopicPartition(topic, shard)``). Zombie writers are fenced by the producer epoch; a fenced writer's bundle fails,
+    and its retry starts over (it is not wedged). Why not a transaction per checkpoint (Flink's ``KafkaSink``) or
+    committing in a bundle finalizer: librdkafka cannot commit a prepared transaction from another producer instance,
+    and Beam's Flink runner finalizes bundles from an in-memory list, so a crash after a checkpoint would lose the
+    prepared transaction, or a finalizer would commit a bundle the checkpoint does not cover; and Beam Python 2.62
+    cannot request stable input, so Beam Java's sequence numbers would not replay identically. Record ids make the
+    replay's order and batching irrelevant.
 
     It needs (and refuses, with a one-line ``ValueError``, what it can detect): a ``sink_group`` unique to this sink
     and stable across restarts (it names the transactional ids, the markers and the ledger rows; a sink group already
@@ -415,13 +417,12 @@ class WriteToKafka(beam.PTransform):
     retried or replayed bundle writes its records again. No shuffle, no ledger (``sink_group``, ``ledger_dsn`` and
     ``shards`` are refused).
 
-    Both modes: seed 002's producer defaults (``batch.size`` 128 KB, ``linger.ms`` 75, ``lz4``), every one
-    overridable in ``producer_config``; a delivery error (broker down past ``message.timeout.ms``, a topic that does
-    not exist, not enough in-sync replicas) fails the bundle (the runner retries it; the local runner fails the
-    pipeline); a record larger than the smaller of the producer's ``message.max.bytes`` and the topic's
-    ``max.message.bytes`` goes to ``dead_letters``. Each record gets the element's event time as its timestamp.
-    Counters in the ``beamflow.kafka_sink`` metrics namespace: ``records_written``, ``replays_skipped``,
-    ``dead_letters``.
+    Both modes: seed 002's producer defaults (``batch.size`` 128 KB, ``linger.ms`` 75, ``lz4``), every one overridable
+    in ``producer_config``; a delivery error (broker down past ``message.timeout.ms``, a topic that does not exist or
+    was deleted) fails the bundle (the runner retries it; the local runner fails the pipeline); a record larger than the
+    smaller of the producer's ``message.max.bytes`` and the topic's ``max.message.bytes`` goes to ``dead_letters``. Each
+    record gets the element's event time as its timestamp. Counters in the ``beamflow.kafka_sink`` metrics namespace:
+    ``records_written``, ``replays_skipped``, ``dead_letters``.
     """
 
     GUARANTEES = {"exactly_once": _TransactionalFn.GUARANTEE, "at_least_once": _IdempotentFn.GUARANTEE}
