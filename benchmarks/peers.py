@@ -55,6 +55,7 @@ FRAMEWORKS = ("quix", "beamflow")
 RUN_TIMEOUT_S = 1800
 CODE_TREE = [REPO]  # set by main (--code)
 ZOMBIE_WAIT_S = 240
+QUIX_CLOSING = ["partition"]  # set by main (--quix-closing)
 LARGE = 100_000  # --rounds-large applies from this many events on
 # Quix tuning (see docs/benchmarks.md): the same librdkafka fetch settings beamflow's consumer uses, and a 5 s commit
 # interval (Quix's default, and the baseline's Iceberg append interval).
@@ -221,6 +222,7 @@ def variant_config(base: dict[str, Any], variant: str, tag: str, workdir: Path) 
             "commit_interval_s": 5.0,
             "consumer_extra_config": QUIX_CONSUMER_CONFIG,
             "idle_timeout_s": 60.0,
+            "closing_strategy": QUIX_CLOSING[0],
         }
     return config
 
@@ -374,6 +376,11 @@ def _audit_line(a: dict[str, Any], expected: dict[str, int], clean: dict[str, An
     return line
 
 
+def processed(run: dict[str, Any]) -> int:
+    """Records the child says it processed (a run stopped early processed fewer than the topic holds)."""
+    return int(run["child"].get("records") or run["records"])
+
+
 def summary_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per (events, variant): median records/s, records per CPU second, peak RSS, ratio to the same round's baseline."""
     import statistics
@@ -400,8 +407,9 @@ def summary_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "events": size,
                     "variant": variant,
                     "records": mine[0]["records"],
-                    "rec_s": statistics.median(r["records"] / r["seconds"] for r in mine),
-                    "rec_cpu_s": statistics.median(r["records"] / max(r["cpu_s"], 1e-9) for r in mine),
+                    "rec_s": statistics.median(processed(r) / r["seconds"] for r in mine),
+                    "rec_cpu_s": statistics.median(processed(r) / max(r["cpu_s"], 1e-9) for r in mine),
+                    "processed": min(processed(r) for r in mine),
                     "peak_mb": max(r["peak_rss_mb"] for r in mine),
                     "x_baseline": statistics.median(ratios) if ratios else float("nan"),
                     "x_quix": statistics.median(over_quix) if over_quix else float("nan"),
@@ -437,6 +445,19 @@ def plot(figures: dict[str, Any], path: str) -> None:
             ax.bar_label(bars, fmt="%.0f", fontsize=7)
             ax.set_title(label, fontsize=10)
             ax.set_xticks([j + width for j in range(len(sizes))], [f"{s:,} events" for s in sizes])
+    for row in rows:
+        if row.get("processed", row["records"]) < row["records"]:  # a run stopped before the end of the topic
+            j, i = sizes.index(row["events"]), VARIANTS.index(row["variant"])
+            axes[0].annotate(
+                f"{row['variant']} stopped:\n{row['processed']:,} of\n{row['records']:,} records\n"
+                f"in {row['seconds'][0]:.0f} s",
+                (j + i * width, row["rec_s"]),
+                xytext=(0, 30),
+                textcoords="offset points",
+                ha="center",
+                fontsize=7,
+                arrowprops={"arrowstyle": "->"},
+            )
     axes[0].legend(fontsize=8)
     if drills:
         ax = axes[3]
@@ -483,6 +504,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drill-events", type=int, default=200000, help="0: no crash drills")
     parser.add_argument("--drill-frameworks", default=",".join(FRAMEWORKS))
     parser.add_argument("--seed", type=int, default=18)
+    parser.add_argument(
+        "--quix-closing",
+        default="partition",
+        choices=("partition", "key"),
+        help="Quix session closing strategy (key: cheaper, but a quiet user's last session is never emitted)",
+    )
     parser.add_argument("--json", default=".data/peers/peers.json")
     parser.add_argument("--plot")
     parser.add_argument("--replot", metavar="JSON", help="only redraw --plot from a saved --json")
@@ -494,6 +521,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.replot:
         saved = json.loads(Path(args.replot).read_text())
         saved.setdefault("load_during", [r["load"] for r in saved["runs"]] + [saved["load_at_end"][0]])
+        saved["summary"] = summary_rows(saved["runs"])
+        _save(args.replot, saved)
         plot(saved, args.plot or "docs/peers.png")
         return 0
 
@@ -501,6 +530,7 @@ def main(argv: list[str] | None = None) -> int:
     from beamflow.services import ServiceSet
     from beamflow.services.paths import data_dir
 
+    QUIX_CLOSING[0] = args.quix_closing
     qpy = quix_python()
     workdir = Path(data_dir()) / "peers"
     workdir.mkdir(parents=True, exist_ok=True)

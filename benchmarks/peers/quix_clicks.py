@@ -330,8 +330,9 @@ def build_app(config: dict[str, Any]) -> tuple[Application, dict[str, Any]]:
             last_event=agg.Max("event_time"),
         )
         # "partition": the partition's event time closes every user's sessions (with the default "key" a user who
-        # goes quiet never has their last session emitted; the docs advise "partition" for that)
-        .final(closing_strategy="partition")
+        # goes quiet never has their last session emitted; the docs advise "partition" for that). "key" only for the
+        # cost comparison in docs/benchmarks.md (benchmarks.peers --quix-closing key)
+        .final(closing_strategy=quix.get("closing_strategy", "partition"))
     )
     sessions.apply(session_row, metadata=True).sink(pg_sink(pg["sessions_table"], ["user_id", "session_start"], True))
     return app, progress
