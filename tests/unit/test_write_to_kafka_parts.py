@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import apache_beam as beam
@@ -15,12 +16,13 @@ from beamflow.kafka.producer import (
     SizeLimit,
     build_producer_config,
     check_producer_config,
+    ledger_key,
     record_size,
     shard_of,
 )
 from runners.direct import local_options
 from transforms.sink_base import DEAD_LETTERS
-from transforms.write_to_kafka import WriteToKafka, _ToRecord
+from transforms.write_to_kafka import WriteToKafka, _chunks, _ToRecord
 
 DSN = "postgresql://postgres@127.0.0.1:5432/beamflow"
 
@@ -136,3 +138,18 @@ def test_elements_become_records_with_their_event_time_or_dead_letters() -> None
         assert_that(
             passed.records | "Describe" >> beam.Map(describe), equal_to([(b"k", b"v", "r", None)]), label="as is"
         )
+
+
+def test_a_shard_group_is_cut_into_transactions_of_batch_size_lazily() -> None:
+    def records() -> Iterator[tuple[Any, ...]]:
+        for i in range(2500):
+            yield (f"v{i}".encode(), None, (), None, None)
+
+    chunks = list(_chunks((3, records()), 1000))
+    assert [(shard, len(chunk)) for shard, chunk in chunks] == [(3, 1000), (3, 1000), (3, 500)]
+    assert [r[0] for _, chunk in chunks for r in chunk] == [f"v{i}".encode() for i in range(2500)]  # order kept
+
+
+def test_ledger_keys_are_fixed_size_digests_of_the_record_id() -> None:
+    assert ledger_key("a") == ledger_key("a") != ledger_key("b")
+    assert len(ledger_key("x" * 10_000)) == len(ledger_key("")) == 32
