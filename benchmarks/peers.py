@@ -56,6 +56,8 @@ RUN_TIMEOUT_S = 1800
 CODE_TREE = [REPO]  # set by main (--code)
 ZOMBIE_WAIT_S = 240
 QUIX_CLOSING = ["partition"]  # set by main (--quix-closing)
+ZOMBIE_AT: list[float | None] = [None]  # set by main (--zombie-at); None: from the seed
+DRILL_PARTS = {"crash", "zombie"}  # set by main (--drill-parts)
 LARGE = 100_000  # --rounds-large applies from this many events on
 # Quix tuning (see docs/benchmarks.md): the same librdkafka fetch settings beamflow's consumer uses, and a 5 s commit
 # interval (Quix's default, and the baseline's Iceberg append interval).
@@ -292,6 +294,8 @@ def crash_drill(
     rng = random.Random(seed)
     fractions = sorted(rng.uniform(0.1, 0.9) for _ in range(3))
     zombie_at = rng.uniform(0.2, 0.6)
+    if ZOMBIE_AT[0] is not None:
+        zombie_at = ZOMBIE_AT[0]
     print(
         f"\ncrash drills: {records:,} records ({events:,} events, {expected['duplicate_sends']} duplicate sends) in "
         f"{topic}; kills at {[round(f, 2) for f in fractions]} of each job's own run time; zombie paused at "
@@ -308,7 +312,7 @@ def crash_drill(
         duration = probe["seconds"]
         config = variant_config(with_topic, framework, f"{tag}c", workdir)
         kills = []
-        for fraction in fractions:
+        for fraction in fractions if "crash" in DRILL_PARTS else ():
             run = Run(framework, config, workdir, qpy)
             time.sleep(fraction * duration)
             run.signal(signal.SIGKILL)
@@ -505,6 +509,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drill-frameworks", default=",".join(FRAMEWORKS))
     parser.add_argument("--seed", type=int, default=18)
     parser.add_argument(
+        "--zombie-at", type=float, help="pause the zombie at this fraction of its run (default: seeded)"
+    )
+    parser.add_argument("--drill-parts", default="crash,zombie", help="crash, zombie or both")
+    parser.add_argument(
         "--quix-closing",
         default="partition",
         choices=("partition", "key"),
@@ -531,6 +539,9 @@ def main(argv: list[str] | None = None) -> int:
     from beamflow.services.paths import data_dir
 
     QUIX_CLOSING[0] = args.quix_closing
+    ZOMBIE_AT[0] = args.zombie_at
+    DRILL_PARTS.clear()
+    DRILL_PARTS.update(args.drill_parts.split(","))
     qpy = quix_python()
     workdir = Path(data_dir()) / "peers"
     workdir.mkdir(parents=True, exist_ok=True)
