@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import datetime as dt
 import logging
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -252,7 +253,9 @@ class JobRunner:
                     self.log.info("local services for the conf's auto endpoints: %s (running)", ", ".join(started))
             config = resolve_auto(config)
         except ConfigError as exc:
-            raise SystemExit(f"beamflow: {exc}") from None
+            # A user error (the conf, a --set, an `auto` service not running): one line and exit code 2.
+            print(f"beamflow: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
         return self.run_with_config(config, args.runner, beam_args, attached=args.attached)
 
     def main(self, argv: Sequence[str]) -> int:

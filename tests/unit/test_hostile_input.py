@@ -173,3 +173,23 @@ def test_table_names_reaching_sql_are_plain_identifiers(name: str) -> None:
         return
     for part in (schema, table):
         assert part is None or re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", part), part
+
+
+@pytest.mark.parametrize("value", ["[", "!!python/object/apply:os.system ['touch /tmp/pwned']", "{a: [}"])
+def test_the_jobs_command_line_ends_a_bad_set_in_one_line_and_exit_2(tmp_path: Path, value: str) -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "pipelines.clicks", f"--set=kafka.topic={value}", "--no-start-services"],
+        capture_output=True,
+        text=True,
+        cwd=CONF.parents[1],
+        env={"BEAMFLOW_DATA": str(tmp_path), "PATH": "/usr/bin:/bin"},
+        timeout=120,
+        check=False,
+    )
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("beamflow: "), done.stderr
+    assert "not valid YAML" in lines[0] or "could not determine a constructor" in lines[0]
+    assert not Path("/tmp/pwned").exists()
