@@ -55,6 +55,7 @@ import hashlib
 import json
 import logging
 import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -541,7 +542,10 @@ class ExactlyOnceShardWriter:
     def _drop_producer(self) -> None:
         producer, self._producer = self._producer, None
         if producer is not None:
-            with contextlib.suppress(Exception):  # a fenced producer may refuse; it is being thrown away
+            # A fenced producer refuses (and warns that close could not abort): it is being thrown away, and the
+            # next init_transactions on its id aborts whatever it left open.
+            with contextlib.suppress(Exception), warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
                 producer.purge()  # nothing queued may be waited for: whatever it held is replayed or aborted
                 producer.close()
 
