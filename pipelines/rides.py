@@ -23,10 +23,15 @@ lateness instead of being dropped silently by a window; the rule reads only the 
 (In a stream the watermark can still pass a session before a ride within that bound arrives, e.g. behind an idle
 partition's timeout; ``HotKeyAggregate`` counts such rides as ``late_dropped``.)
 
-Results: one per driver, session window and pane, identified by ``result_id`` (driver, window, pane), which the
-exactly-once sink uses to skip a replayed result. A bounded batch run fires each session once (pane 0). A stream's
-panes accumulate (a later pane of a session carries all its rides), and a late ride can merge sessions: the merged
-result lists the windows it ``supersedes``; in the cells the superseded rows get an ``s:superseded_by`` cell.
+Results: one per driver, session window and pane, identified by ``result_id`` (driver, window, pane and a digest of
+the rides it counts), which the exactly-once sink uses to skip a replayed result. A bounded batch run fires each
+session once (pane 0). A stream's panes accumulate (a later pane of a session carries all its rides), and a late ride
+can merge sessions: the merged result lists the windows it ``supersedes``; in the cells the superseded rows get an
+``s:superseded_by`` cell. After a restore from a checkpoint a pane may fire again with other rides than before the
+failure (the watermark met the replayed rides in another order): the rides' digest gives it another id, so it is
+written too rather than skipped as a replay, and of two results for one window and pane the one with more rides is
+the newer (panes accumulate). Nothing a result counted is lost that way; a reader keeps, per window, the result with
+the highest (``pane_index``, ``rides``).
 Cells: row ``<driver_id>#<session start ms, 13 digits>`` (salted), family ``s`` (the session) and ``d`` (the
 driver), version = the session's ride count (a later pane of the same session start always holds more rides).
 """
@@ -34,6 +39,7 @@ driver), version = the session's ride count (a later pane of the same session st
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
 import operator
@@ -146,9 +152,11 @@ def _ms(ts: Any) -> int:
     return int(ts.micros // 1000)
 
 
-def result_id(driver_id: str, start_ms: int, end_ms: int, pane_index: int) -> str:
-    """The identity of one result across replays: a replayed pane has the same, a later pane or window another."""
-    return f"{driver_id}/{start_ms}/{end_ms}/{pane_index}"
+def result_id(driver_id: str, start_ms: int, end_ms: int, pane_index: int, ride_offsets: str = "") -> str:
+    """The identity of one result across replays: a replayed pane of the same rides has the same; a later pane, another
+    window, or the same pane fired again over other rides after a restore, another."""
+    digest = hashlib.blake2b(ride_offsets.encode(), digest_size=6).hexdigest()
+    return f"{driver_id}/{start_ms}/{end_ms}/{pane_index}/{digest}"
 
 
 def session_result(agg: WindowedAggregate, driver_columns: tuple[str, ...]) -> dict[str, Any]:
@@ -157,7 +165,7 @@ def session_result(agg: WindowedAggregate, driver_columns: tuple[str, ...]) -> d
     start_ms, end_ms = _ms(agg.window_start), _ms(agg.window_end)
     driver = dict(zip(driver_columns, session.driver[1:], strict=False)) if session.driver else {}
     return {
-        "result_id": result_id(agg.key, start_ms, end_ms, agg.pane_index),
+        "result_id": result_id(agg.key, start_ms, end_ms, agg.pane_index, session.ride_offsets.encode()),
         "driver_id": agg.key,
         **{c: driver.get(c) for c in driver_columns},
         "session_start": start_ms,

@@ -231,7 +231,11 @@ def _audit(results: Sequence[Mapping[str, Any]]) -> ResultsAudit:
     newest: dict[tuple[str, int, int], Mapping[str, Any]] = {}
     for r in results:
         window = (r["driver_id"], int(r["session_start"]), int(r["session_end"]))
-        if window not in superseded and (window not in newest or r["pane_index"] > newest[window]["pane_index"]):
+        # Panes accumulate: the later pane, or of one pane fired twice (after a restore) the one with more rides.
+        order = (int(r["pane_index"]), int(r["rides"]))
+        if window not in superseded and (
+            window not in newest or order > (int(newest[window]["pane_index"]), int(newest[window]["rides"]))
+        ):
             newest[window] = r
     audit = ResultsAudit(results=len(results), distinct_ids=len({str(r["result_id"]) for r in results}))
     coordinates = OffsetRanges()
