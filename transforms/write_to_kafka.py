@@ -200,7 +200,7 @@ class _TransactionalFn(SinkFn):
         self._keys: set[tuple[Any, ...]] = set()
 
     def open(self) -> None:
-        partitions = topic_partition_count(self._bootstrap, self._topic)
+        partitions = topic_partition_count(self._bootstrap, self._topic, config=self._config)
         if self._shards > partitions:
             raise ValueError(
                 f"WriteToKafka: shards={self._shards} but topic {self._topic} has {partitions} partitions: each "

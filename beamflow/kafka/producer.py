@@ -72,6 +72,7 @@ __all__ = [
     "ShardLedger",
     "build_producer_config",
     "check_producer_config",
+    "connection_config",
     "fetch_size_limit",
     "ledger_key",
     "record_size",
@@ -155,11 +156,27 @@ def shard_of(record: ProducerRecord, shards: int) -> int:
     return int.from_bytes(hashlib.blake2b(basis, digest_size=8).digest(), "big") % shards
 
 
-def topic_max_message_bytes(bootstrap: str, topic: str, timeout_s: float = 30.0) -> int:
+# Settings every client of the sink shares with its producer (how to reach and authenticate to the brokers); the
+# admin client and the marker reader get these, not the producer-only ones.
+_CONNECTION_PREFIXES = ("security.", "sasl.", "ssl.", "client.", "socket.", "broker.address.")
+
+
+def connection_config(bootstrap: str, config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``bootstrap.servers`` plus the connection and security settings of ``config``, secret references
+    (``env:``/``file:``) resolved: for the admin client and consumer the sink makes beside its producer."""
+    from beamflow.secrets import kafka_client_config
+
+    shared = {k: v for k, v in (config or {}).items() if k.startswith(_CONNECTION_PREFIXES)}
+    return kafka_client_config({"bootstrap.servers": bootstrap, **shared})
+
+
+def topic_max_message_bytes(
+    bootstrap: str, topic: str, timeout_s: float = 30.0, config: dict[str, Any] | None = None
+) -> int:
     """The topic's ``max.message.bytes`` (the broker's limit for a record batch); raises for a missing topic."""
     from confluent_kafka.admin import AdminClient, ConfigResource
 
-    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin = AdminClient(connection_config(bootstrap, config))
     futures = admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, topic)])
     for future in futures.values():
         try:
@@ -169,11 +186,13 @@ def topic_max_message_bytes(bootstrap: str, topic: str, timeout_s: float = 30.0)
     raise KafkaWriteError(f"no configuration for topic {topic}")
 
 
-def topic_partition_count(bootstrap: str, topic: str, timeout_s: float = 30.0) -> int:
+def topic_partition_count(
+    bootstrap: str, topic: str, timeout_s: float = 30.0, config: dict[str, Any] | None = None
+) -> int:
     """How many partitions ``topic`` has; raises KafkaWriteError if it does not exist."""
     from confluent_kafka.admin import AdminClient
 
-    metadata = AdminClient({"bootstrap.servers": bootstrap}).list_topics(topic, timeout=timeout_s)
+    metadata = AdminClient(connection_config(bootstrap, config)).list_topics(topic, timeout=timeout_s)
     found = metadata.topics.get(topic)
     if found is None or found.error is not None or not found.partitions:
         raise KafkaWriteError(f"topic {topic} does not exist ({found.error if found else 'no metadata'})")
@@ -221,14 +240,17 @@ class SizeLimit:
 
 
 def build_producer_config(bootstrap: str, overrides: dict[str, Any]) -> dict[str, Any]:
-    """Seed 002's defaults, then ``overrides``, then what the guarantees rest on (already checked to agree)."""
-    return {"bootstrap.servers": bootstrap, **DEFAULT_PRODUCER_CONFIG, **overrides, **_FIXED}
+    """Seed 002's defaults, then ``overrides``, then what the guarantees rest on (already checked to agree); secret
+    references resolved (call where the producer is made)."""
+    from beamflow.secrets import kafka_client_config
+
+    return kafka_client_config({"bootstrap.servers": bootstrap, **DEFAULT_PRODUCER_CONFIG, **overrides, **_FIXED})
 
 
 def fetch_size_limit(bootstrap: str, topic: str, config: dict[str, Any], stage: str) -> SizeLimit:
     """The smaller of the client's ``message.max.bytes`` and the topic's ``max.message.bytes``."""
     client_limit = int(config.get("message.max.bytes", 1_000_000))
-    return SizeLimit(min(client_limit, topic_max_message_bytes(bootstrap, topic)), stage)
+    return SizeLimit(min(client_limit, topic_max_message_bytes(bootstrap, topic, config=config)), stage)
 
 
 class AtLeastOnceWriter:
@@ -472,7 +494,8 @@ class ExactlyOnceShardWriter:
     ) -> None:
         overrides = dict(producer_config or {})
         check_producer_config(overrides, exactly_once=True)
-        partitions = partitions if partitions is not None else topic_partition_count(bootstrap, topic)
+        if partitions is None:
+            partitions = topic_partition_count(bootstrap, topic, config=overrides)
         if not 0 <= shard < partitions:
             raise ValueError(
                 f"shard {shard} needs partition {shard} of topic {topic}, which has {partitions}: shards must be "
@@ -528,7 +551,7 @@ class ExactlyOnceShardWriter:
                 # ConsumerGroupMetadata(groupId) gives, accepted by send_offsets_to_transaction (tested).
                 self._marker_reader = Consumer(
                     {
-                        "bootstrap.servers": self.bootstrap,
+                        **connection_config(self.bootstrap, self.config),
                         "group.id": self.sink_group,
                         "enable.auto.commit": False,
                         "isolation.level": "read_committed",  # committed() waits for a commit in progress

@@ -423,6 +423,26 @@ def test_at_least_once_writes_everything(kafka: ServiceState, topic: str) -> Non
     assert sorted(read_committed(bootstrap, topic)) == sorted(values)
 
 
+@pytest.mark.parametrize("mode", ["exactly-once", "at-least-once"])
+def test_over_sasl_ssl_with_the_password_as_a_file_reference(
+    mode: str, kafka: ServiceState, postgres: ServiceState, topic: str
+) -> None:
+    # The broker's SASL_SSL listener; the producer, the admin client and the marker reader all authenticate with the
+    # settings given in producer_config, the password as a file: reference resolved on the worker.
+    secure = dict(kafka.info["secure_client_config"])
+    assert str(secure["sasl.password"]).startswith("file:")
+    options: dict[str, Any] = {"mode": mode, "producer_config": secure}
+    if mode == "exactly-once":
+        options.update(sink_group=f"sasl-{uuid.uuid4().hex[:6]}", ledger_dsn=postgres.info["dsn"], shards=2)
+    values = [f"secure-{i}".encode() for i in range(50)]
+    try:
+        with beam.Pipeline(options=local_options()) as p:
+            p | beam.Create(values) | WriteToKafka(kafka.info["secure_bootstrap"], topic, **options)
+    finally:
+        close_shared_writers()
+    assert exactly_once_problems(read_committed(kafka.info["bootstrap"], topic), values) == []
+
+
 class _DeleteTopicOnce(beam.DoFn):
     """Deletes the topic before the first bundle: an at-least-once sink (same stage, opened before) then cannot
     deliver; an exactly-once writer (a stage after the shuffle, opened later) finds the topic gone."""
