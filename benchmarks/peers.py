@@ -58,6 +58,7 @@ ZOMBIE_WAIT_S = 240
 QUIX_CLOSING = ["partition"]  # set by main (--quix-closing)
 ZOMBIE_AT: list[float | None] = [None]  # set by main (--zombie-at); None: from the seed
 DRILL_PARTS = {"crash", "zombie"}  # set by main (--drill-parts)
+ZOMBIE_CPU = [False]  # set by main (--zombie-cpu): pause the zombie by CPU seconds used, not wall time
 LARGE = 100_000  # --rounds-large applies from this many events on
 # Quix tuning (see docs/benchmarks.md): the same librdkafka fetch settings beamflow's consumer uses, and a 5 s commit
 # interval (Quix's default, and the baseline's Iceberg append interval).
@@ -124,6 +125,21 @@ class Run:
         # The beamflow children import the code under ``tree`` (a snapshot of HEAD by default, see code_tree).
         env = {**os.environ, "PYTHONPATH": str(tree)}
         self.proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=self._out, stderr=subprocess.STDOUT)
+
+    def cpu_s(self) -> float:
+        """The child's user + sys CPU seconds so far (/proc), 0 once it is gone."""
+        try:
+            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def wait_cpu(self, cpu_s: float, timeout: float) -> float:
+        """Returns once the child has used ``cpu_s`` CPU seconds (or after ``timeout``); its CPU seconds then."""
+        deadline = time.monotonic() + timeout
+        while (used := self.cpu_s()) < cpu_s and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return used
 
     def signal(self, sig: signal.Signals) -> None:
         # os.kill, not Popen.send_signal: that polls first, and a child that has just exited would be reaped there,
@@ -317,7 +333,7 @@ def crash_drill(
             time.sleep(fraction * duration)
             run.signal(signal.SIGKILL)
             kills.append(run.wait()["seconds"])
-        final = Run(framework, config, workdir, qpy).wait()
+        final = Run(framework, config, workdir, qpy).wait() if "crash" in DRILL_PARTS else {"returncode": None}
         crash_audit = audit_run(config, expected)
         drill = {"probe": probe, "kill_after_s": kills, "final": final, "audit": crash_audit}
         clean = probe["audit"]
@@ -336,14 +352,22 @@ def crash_drill(
         else:
             zconfig_b = zconfig
         a = Run(framework, zconfig, workdir, qpy)
-        time.sleep(zombie_at * duration)
+        if ZOMBIE_CPU[0]:
+            # Paused once A has used this share of its undisturbed run's CPU seconds: past its start-up, reading and
+            # writing, whatever the machine's load (a wall-clock fraction can fall inside a slow start-up).
+            a.wait_cpu(zombie_at * probe["cpu_s"], timeout=duration * 3)
+        else:
+            time.sleep(zombie_at * duration)
         a.signal(signal.SIGSTOP)
+        paused = {"after_s": time.perf_counter() - a.started, "cpu_s": a.cpu_s()}
+        print(f"  {framework} zombie A paused after {paused['after_s']:.1f} s, {paused['cpu_s']:.1f} CPU s", flush=True)
         b = Run(framework, zconfig_b, workdir, qpy).wait()
         a.signal(signal.SIGCONT)
         a_result = a.wait(timeout=ZOMBIE_WAIT_S)
-        zombie = {"a": a_result, "b": b, "audit": audit_run(zconfig, expected)}
+        zombie = {"a": a_result, "b": b, "paused": paused, "audit": audit_run(zconfig, expected)}
         print(
-            f"  {framework} zombie (A rc={a_result['returncode']}, B rc={b['returncode']}): "
+            f"  {framework} zombie (A rc={a_result['returncode']}, read {a_result['child'].get('records')}; "
+            f"B rc={b['returncode']}, read {b['child'].get('records')}): "
             f"{_audit_line(zombie['audit'], expected, clean)}",
             flush=True,
         )
@@ -513,6 +537,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--drill-parts", default="crash,zombie", help="crash, zombie or both")
     parser.add_argument(
+        "--zombie-cpu",
+        action="store_true",
+        help="pause the zombie once it used --zombie-at of its undisturbed run's CPU seconds (not of its wall time)",
+    )
+    parser.add_argument(
         "--quix-closing",
         default="partition",
         choices=("partition", "key"),
@@ -540,6 +569,7 @@ def main(argv: list[str] | None = None) -> int:
 
     QUIX_CLOSING[0] = args.quix_closing
     ZOMBIE_AT[0] = args.zombie_at
+    ZOMBIE_CPU[0] = args.zombie_cpu
     DRILL_PARTS.clear()
     DRILL_PARTS.update(args.drill_parts.split(","))
     qpy = quix_python()
