@@ -410,7 +410,9 @@ class WriteToKafka(beam.PTransform):
     at most ``max_buffering_s``: restore jobs from their checkpoints or savepoints (as for every stateful stage);
     keep the checkpoint interval above ``max_buffering_s`` so ``ReadFromKafka``'s offsets (committed one checkpoint
     late) never run ahead of what was written. Readers see results after their transaction commits (about
-    ``max_buffering_s``).
+    ``max_buffering_s``); after a crash mid-transaction, the dead writer's open transaction holds ``read_committed``
+    readers of the partitions it wrote back until that shard's next write (whose ``init_transactions`` aborts it) or
+    ``transaction.timeout.ms`` (60 s by default), whichever comes first.
 
     ``mode="at-least-once"``: the idempotent producer (``acks=all``, no duplicates from its own retries); every
     bundle waits in ``finish_bundle`` until its records are acked and fails otherwise, so nothing is dropped; a
