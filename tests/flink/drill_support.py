@@ -261,12 +261,25 @@ class TrafficFeeder(threading.Thread):
         self.error: BaseException | None = None
         self._resume = threading.Event()
         self._resume.set()
+        self._holds: list[float] = []
+        self.held = threading.Event()  # set while the feeder waits at a hold
 
     def pause(self) -> None:
         self._resume.clear()
 
     def resume(self) -> None:
+        self.held.clear()
         self._resume.set()
+
+    def hold_at(self, *shares: float) -> None:
+        """Pause by itself once ``share`` of the records are sent, until ``resume``: a fault applied at a hold
+        always has traffic still to come, however long the faults before it took on a loaded machine (a time-paced
+        feeder had sent everything before the third fault of a drill at load average 25)."""
+        self._holds = sorted(shares)
+
+    def wait_held(self, timeout: float = 300) -> None:
+        if not self.held.wait(timeout):
+            raise AssertionError(f"the feeder never reached its hold ({self.sent} sent, error {self.error})")
 
     def run(self) -> None:
         from beamflow.kafka.admin import produce
@@ -274,6 +287,10 @@ class TrafficFeeder(threading.Thread):
         size = -(-len(self.records) // self.chunks)
         try:
             for start in range(0, len(self.records), size):
+                if self._holds and start >= self._holds[0] * len(self.records):
+                    self._holds.pop(0)
+                    self._resume.clear()
+                    self.held.set()
                 self._resume.wait()
                 chunk = self.records[start : start + size]
                 for attempt in range(30):  # the broker-restart drill takes the broker away for a while

@@ -363,6 +363,7 @@ def fault_drill(
     main = DrillJob(config, work, "main")
     broken_job = DrillJob(broken.config, broken.work, "broken", module="tests.flink.broken_clicks")
     kafka_pid = drill_services.service_set.get("kafka").state().pids[0]  # type: ignore[union-attr]
+    feeder.hold_at(0.25, 0.5, 0.75)  # each fault strikes at a hold and traffic resumes after it
     try:
         with ThreadPoolExecutor(2) as pool:  # two submissions at once: each costs 30-40 s on 2 cores
             started_broken = pool.submit(broken.start, broken_job, 1)
@@ -370,7 +371,7 @@ def fault_drill(
             started_broken.result()
 
         # Fault 1: one Python SDK worker of the job SIGKILLed while records flow; its TaskManager lives.
-        _wait_sent(feeder, 0.25)
+        feeder.wait_held()
         notes["before_worker_kill"] = _wait_sinks_grow(config, 0, main)
         workers = python_workers(flink_service.state(), main.job_name)  # type: ignore[arg-type]
         assert workers, f"no Python SDK worker of {main.job_name} found under the TaskManagers"
@@ -380,11 +381,10 @@ def fault_drill(
         os.kill(workers[0], signal.SIGKILL)
         if broken_workers:
             os.kill(broken_workers[0], signal.SIGKILL)
-        feeder.pause()
+        feeder.resume()
         _recovered(main, config, notes["before_worker_kill"]["iceberg_distinct_ids"])
         timings["python_worker_recovery_s"] = round(time.monotonic() - started, 1)
         notes["restores_after_worker_kill"] = main.rest.checkpoints(str(main.job_id)).get("counts", {}).get("restored")
-        feeder.resume()
 
         # beamflow status after the failover: sink figures since the start, Beam counters of this attempt. Offsets
         # are committed one completed checkpoint after the sinks hold the records, and on a loaded machine the first
@@ -399,10 +399,11 @@ def fault_drill(
         status_text = format_status(status)
 
         # Fault 2: the broker hangs (SIGSTOP) for 30 s, then continues; the producer keeps trying meanwhile.
-        _wait_sent(feeder, 0.5)
+        feeder.wait_held()
         notes["before_broker_stop"] = sink_counts(config)
         started = time.monotonic()
         _signal_group(kafka_pid, signal.SIGSTOP)
+        feeder.resume()
         try:
             time.sleep(30)  # the fault's length, not a wait for an outcome
         finally:
@@ -413,11 +414,12 @@ def fault_drill(
         timings["broker_stop_total_s"] = round(time.monotonic() - started, 1)
 
         # Fault 3: PostgreSQL (dedup store, quarantine, sessions, dead letters) restarted mid-stream.
-        _wait_sent(feeder, 0.75)
+        feeder.wait_held()
         notes["before_postgres_restart"] = sink_counts(config)
         started = time.monotonic()
         drill_services.service_set.get("postgres").restart()  # type: ignore[attr-defined]
         timings["postgres_down_s"] = round(time.monotonic() - started, 1)
+        feeder.resume()
         _recovered(main, config, notes["before_postgres_restart"]["iceberg_distinct_ids"])
         timings["postgres_recovery_s"] = round(time.monotonic() - started, 1)
         notes["restores"] = main.rest.checkpoints(str(main.job_id)).get("counts", {}).get("restored")
