@@ -55,6 +55,7 @@ FRAMEWORKS = ("quix", "beamflow")
 RUN_TIMEOUT_S = 1800
 CODE_TREE = [REPO]  # set by main (--code)
 ZOMBIE_WAIT_S = 240
+ZOMBIE_BLOCK_S = 300.0  # B not finished this long after its start while A is frozen: A resumed anyway, B's block noted
 QUIX_CLOSING = ["partition"]  # set by main (--quix-closing)
 ZOMBIE_AT: list[float | None] = [None]  # set by main (--zombie-at); None: from the seed
 DRILL_PARTS = {"crash", "zombie"}  # set by main (--drill-parts)
@@ -140,6 +141,15 @@ class Run:
         while (used := self.cpu_s()) < cpu_s and time.monotonic() < deadline:
             time.sleep(0.05)
         return used
+
+    def wait_exit(self, timeout: float) -> bool:
+        """True once the child has exited (not reaped: ``wait`` still reads its rusage), False after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                return True
+            time.sleep(0.1)
+        return False
 
     def signal(self, sig: signal.Signals) -> None:
         # os.kill, not Popen.send_signal: that polls first, and a child that has just exited would be reaped there,
@@ -361,8 +371,17 @@ def crash_drill(
         a.signal(signal.SIGSTOP)
         paused = {"after_s": time.perf_counter() - a.started, "cpu_s": a.cpu_s()}
         print(f"  {framework} zombie A paused after {paused['after_s']:.1f} s, {paused['cpu_s']:.1f} CPU s", flush=True)
-        b = Run(framework, zconfig_b, workdir, qpy).wait()
+        b_run = Run(framework, zconfig_b, workdir, qpy)
+        # B may be unable to finish while A is frozen (A holding a sink's transaction open, say): after
+        # ZOMBIE_BLOCK_S without B finishing, A is resumed anyway and B's block is recorded.
+        b_done = b_run.wait_exit(ZOMBIE_BLOCK_S)
         a.signal(signal.SIGCONT)
+        resumed = time.perf_counter() - a.started
+        if not b_done:
+            print(f"  {framework} zombie: B not done {ZOMBIE_BLOCK_S:.0f} s after its start with A frozen", flush=True)
+        b = b_run.wait()
+        b["blocked_by_frozen_a"] = not b_done
+        paused["resumed_after_s"] = resumed
         a_result = a.wait(timeout=ZOMBIE_WAIT_S)
         zombie = {"a": a_result, "b": b, "paused": paused, "audit": audit_run(zconfig, expected)}
         print(
