@@ -11,8 +11,10 @@ dead letters by cause and the quarantine exactly as the traffic says.
 
 The same again with the rides fed live and, once results are in the topic, the TaskManager running the job SIGKILLed
 (its Python workers with it) and restarted: Flink restores the job from its last checkpoint, the replayed results the
-sink already wrote are skipped by id, and the audit must come out the same. (Issue 17's acceptance asks for more
-moments, around a checkpoint, and a JobManager kill with restore; this is the first of them.)
+sink already wrote are skipped by id, and the audit must come out the same. And once more with the JobManager
+SIGKILLed and restarted instead: without HA the job is gone, and it is resubmitted from its newest retained checkpoint
+(``--savepoint_path``) while the old job's tasks may still be writing (zombies fenced by the sink). (Issue 17's
+acceptance asks for at least three moments of each, around a checkpoint; these are one each, mid-stream.)
 """
 
 from __future__ import annotations
@@ -45,7 +47,13 @@ from pipelines.rides_demo import (
     expected_outcome,
 )
 from runners.flink import service_settings
-from tests.flink.drill_support import DrillJob, TrafficFeeder, drill_config, taskmanager_role_running
+from tests.flink.drill_support import (
+    DrillJob,
+    TrafficFeeder,
+    drill_config,
+    latest_retained_checkpoint,
+    taskmanager_role_running,
+)
 
 pytestmark = pytest.mark.flink
 
@@ -116,15 +124,31 @@ def _wait_for_all_sessions(config: JobConfig, expected: dict[str, Any], job: Dri
     time.sleep(5)  # a replayed or late pane still in flight would show now
 
 
+def _feed_until_results(job: DrillJob, records: list[ClickRecord]) -> tuple[TrafficFeeder, int]:
+    """Starts feeding the rides once the job checkpointed; pauses the feed mid-stream, once a third of the rides is
+    sent and results are in the topic (a failure must find work to replay); the results so far."""
+    job.wait_for_checkpoints(1, 180)
+    feeder = TrafficFeeder(job.config, records, chunks=10, pause_s=3)
+    feeder.start()
+    config = JobConfig.from_dict(job.config)
+    deadline = time.monotonic() + 300
+    while feeder.sent < len(records) // 3 or audit_results(config).results == 0:
+        assert feeder.error is None and time.monotonic() < deadline, f"no results yet\n{job.diagnosis()}"
+        time.sleep(1)
+    feeder.pause()
+    return feeder, audit_results(config).results
+
+
 def _run(
     name: str,
     services: tuple[ServiceState, ServiceState, ServiceState, ServiceState],
     service_set: ServiceSet,
     work: Path,
     seed: int,
-    disrupt: Callable[[DrillJob, list[ClickRecord]], dict[str, Any]] | None = None,
+    disrupt: Callable[[list[DrillJob], list[ClickRecord]], dict[str, Any]] | None = None,
 ) -> Iterator[dict[str, Any]]:
-    """The job on ``seed``'s rides: all in Kafka before it starts, or, with ``disrupt``, fed to it by ``disrupt``."""
+    """The job on ``seed``'s rides: all in Kafka before it starts, or, with ``disrupt``, fed to it by ``disrupt``
+    (which may resubmit it: the last job in the list it is given is the one audited)."""
     kafka, postgres, registry, flink = services
     raw = rides_config(name, kafka, postgres, registry, flink, service_set.data)
     config = JobConfig.from_dict(raw)
@@ -144,14 +168,15 @@ def _run(
     expected = expected_outcome(
         [traffic], {d["driver_id"] for d in dimensions.drivers}, GAP_S * 1000, config.sessions.allowed_lateness_s * 1000
     )
-    job = DrillJob(raw, work, "main", module="pipelines.rides")
-    result: dict[str, Any] = {"config": config, "traffic": traffic, "expected": expected, "job": job}
+    jobs = [DrillJob(raw, work, "main", module="pipelines.rides")]
+    result: dict[str, Any] = {"config": config, "traffic": traffic, "expected": expected, "work": work}
     t0 = time.monotonic()
     try:
-        job.start()
+        jobs[0].start()
         result["submitted_s"] = round(time.monotonic() - t0, 1)
         if disrupt is not None:
-            result["notes"] = disrupt(job, traffic.records)
+            result["notes"] = disrupt(jobs, traffic.records)
+        job = jobs[-1]
         _wait_for_all_sessions(config, expected, job)
         result["done_s"] = round(time.monotonic() - t0, 1)
         result["topic"], result["cells"] = audit_results(config), audit_cells(config)
@@ -160,8 +185,10 @@ def _run(
         rest = FlinkRest(raw["flink"]["rest_url"])
         result["state"] = rest.job_state(job.job_id)
         result["checkpoints"] = rest.checkpoints(job.job_id)["counts"]
+        result["restored_from"] = rest.checkpoints(job.job_id).get("latest", {}).get("restored")
     finally:
-        job.cancel()
+        for started in jobs:
+            started.cancel()
     print(
         f"\nrides on Flink ({name}): {traffic.summary()}; submitted in {result.get('submitted_s')}s, all sessions in "
         f"{result.get('done_s')}s; notes {result.get('notes')}; topic {result.get('topic')!r:.160}; checkpoints "
@@ -194,19 +221,10 @@ def taskmanager_drill(
     """Rides fed live; once results are in the topic, the TaskManager running the job SIGKILLed and restarted."""
     flink_service: FlinkService = service_set.get("flink")  # type: ignore[assignment]
 
-    def kill_a_taskmanager(job: DrillJob, records: list[ClickRecord]) -> dict[str, Any]:
+    def kill_a_taskmanager(jobs: list[DrillJob], records: list[ClickRecord]) -> dict[str, Any]:
+        job = jobs[-1]
         assert job.job_id is not None
-        job.wait_for_checkpoints(1, 180)
-        feeder = TrafficFeeder(job.config, records, chunks=10, pause_s=3)
-        feeder.start()
-        config = JobConfig.from_dict(job.config)
-        deadline = time.monotonic() + 300
-        # Mid-stream: a third of the rides sent and results already written (the kill must find work to replay).
-        while feeder.sent < len(records) // 3 or audit_results(config).results == 0:
-            assert feeder.error is None and time.monotonic() < deadline, f"no results yet\n{job.diagnosis()}"
-            time.sleep(1)
-        feeder.pause()
-        before = audit_results(config).results
+        feeder, before = _feed_until_results(job, records)
         role = taskmanager_role_running(job.rest, job.job_id)
         flink_service.kill(role)  # its Python workers die with it (PROCESS environment)
         flink_service.restart(role)
@@ -227,7 +245,49 @@ def taskmanager_drill(
     )
 
 
-RUNS = ("rides_run", "taskmanager_drill")
+@pytest.fixture(scope="module")
+def jobmanager_drill(
+    kafka: ServiceState,
+    postgres: ServiceState,
+    registry: ServiceState,
+    flink: ServiceState,
+    service_set: ServiceSet,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[dict[str, Any]]:
+    """Rides fed live; once results are in the topic, the JobManager SIGKILLed and restarted. Without HA it knows no
+    job: the job is resubmitted from its newest retained checkpoint, as an operator would."""
+    flink_service: FlinkService = service_set.get("flink")  # type: ignore[assignment]
+    checkpoints_dir = Path(flink.info["checkpoints_dir"])
+    work = tmp_path_factory.mktemp("rides-jm")
+
+    def kill_the_jobmanager(jobs: list[DrillJob], records: list[ClickRecord]) -> dict[str, Any]:
+        first = jobs[-1]
+        assert first.job_id is not None
+        feeder, before = _feed_until_results(first, records)
+        flink_service.kill_jobmanager()
+        first.reap(timeout=5)
+        checkpoint = latest_retained_checkpoint(checkpoints_dir, first.job_id)
+        flink_service.restart_jobmanager()
+        deadline = time.monotonic() + 120  # the TaskManagers free the old job's slots once they notice
+        while True:
+            overview = first.rest.overview()
+            if overview.get("slots-available") == overview.get("slots-total") and overview.get("taskmanagers"):
+                break
+            assert time.monotonic() < deadline, overview
+            time.sleep(1)
+        second = DrillJob(first.config, work, "second", (f"--savepoint_path={checkpoint}",), module="pipelines.rides")
+        jobs.append(second)
+        second.start()
+        second.wait_for_checkpoints(1, 240)
+        feeder.resume()
+        feeder.join(300)
+        assert feeder.error is None and feeder.sent == len(records), feeder.error
+        return {"restored_checkpoint": checkpoint, "results_before_kill": before}
+
+    yield from _run("ridesjm", (kafka, postgres, registry, flink), service_set, work, 29, kill_the_jobmanager)
+
+
+RUNS = ("rides_run", "taskmanager_drill", "jobmanager_drill")
 
 
 @pytest.mark.parametrize("run", RUNS)
@@ -267,3 +327,8 @@ def test_the_taskmanager_kill_was_a_real_failover_mid_stream(taskmanager_drill: 
     # Restored from a checkpoint, with results already written that the restored job's replay had to skip or extend.
     assert taskmanager_drill["checkpoints"]["restored"] >= 1
     assert 0 < taskmanager_drill["notes"]["results_before_kill"] < taskmanager_drill["topic"].results
+
+
+def test_the_jobmanager_kill_was_restored_from_a_checkpoint(jobmanager_drill: dict[str, Any]) -> None:
+    assert jobmanager_drill["restored_from"] is not None
+    assert 0 < jobmanager_drill["notes"]["results_before_kill"] < jobmanager_drill["topic"].results
