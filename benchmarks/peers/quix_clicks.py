@@ -18,11 +18,11 @@ Runs in its own virtual environment (``benchmarks.peers.quix_env``), never in be
 - dedup by event id in Quix state (RocksDB, changelog-backed; state is per message key = user_id, and a duplicate
   send repeats the key), as its docs' fixed-window dedup recipe: written on the first encounter with an event-time
   TTL (``dedup.ttl_s``);
-- 10-minute session windows per user with Quix's own ``session_window`` (new in 3.28; ``grace_ms`` = the job's
-  allowed lateness), ``.final(closing_strategy="partition")``: each session emitted once, when the partition's event
-  time has passed its last event + 2 gaps + grace. Quix has no end of input: the sessions still open when the topic
-  ends (the last ~50 minutes of event time per partition) are never emitted, and events later than the grace are
-  dropped from sessions (they still reach Iceberg);
+- 10-minute session windows per user with Quix's own ``session_window`` (present in 3.28.1, not in 3.25;
+  ``grace_ms`` = the job's allowed lateness), ``.final(closing_strategy="partition")``: each session emitted once,
+  when the partition's event time has passed its last event + 2 gaps + grace. Quix has no end of input: the
+  sessions still open when the topic ends (the last ~50 minutes of event time per partition) are never emitted, and
+  events later than the grace are dropped from sessions (they still reach Iceberg);
 - impressions appended to an Iceberg table (pyiceberg SQL catalog) through a custom ``BatchingSink``: Quix's own
   ``IcebergSink`` accepts only ``data_catalog_spec="aws_glue"`` and cannot write to a SQL catalog, so this is its
   documented custom-sink path, written like its ``IcebergSink.write`` (one append per batch);
