@@ -1,7 +1,12 @@
 """beamflow beside the peer a user would pick instead (Quix Streams): same job, same data, same machine, same crashes.
 
-    .venv/bin/python -m benchmarks.peers [--events 20000,200000] [--rounds 2] [--drill-events 200000]
-        [--json .data/peers/peers.json] [--plot docs/peers.png]
+    .venv/bin/python -m benchmarks.peers [--events 20000,200000] [--rounds 2] [--rounds-large N]
+        [--drill-events 200000] [--drill-frameworks quix,beamflow] [--drill-parts crash,zombie]
+        [--zombie-at F [--zombie-cpu]] [--quix-closing partition|key] [--json .data/peers/peers.json]
+        [--plot docs/peers.png]
+    .venv/bin/python -m benchmarks.peers --replot .data/peers/peers.json --plot docs/peers.png
+
+Figures of the last run, and what they mean: docs/benchmarks.md, "Side by side with Quix Streams".
 
 Throughput (interleaved rounds; each round runs every variant once on the same topic, the order rotating):
 
@@ -19,8 +24,10 @@ Crashes (``--drill-events``, 5% duplicate sends), applied identically to ``quix`
 
 - *crash drill*: the job SIGKILLed at three random moments (fractions of its own undisturbed run time, the same
   fractions for both), rerun after each, then run to the end;
-- *zombie*: instance A SIGSTOPped part-way, instance B started and run to the end, then A resumed (SIGCONT) and let
-  finish (or killed after ``ZOMBIE_WAIT_S``).
+- *zombie*: instance A SIGSTOPped part-way (a seeded fraction of its undisturbed wall time, or ``--zombie-at`` of it,
+  or with ``--zombie-cpu`` of its undisturbed CPU seconds), instance B started and run to the end, then A resumed
+  (SIGCONT) and let finish (or killed after ``ZOMBIE_WAIT_S``). If B cannot finish while A is frozen, A is resumed
+  after ``ZOMBIE_BLOCK_S`` anyway and B's block is recorded.
 
 Then: events lost (produced event ids missing from Iceberg), event ids twice in Iceberg, sessions double-counted
 (session rows of one user overlapping another, or one key twice), offsets committed vs end offsets.

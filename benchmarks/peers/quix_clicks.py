@@ -1,6 +1,6 @@
 """The clicks job written in Quix Streams, as its documentation has a user write it (issue 18).
 
-Runs in its own virtual environment (``benchmarks.peers.quix_env``), never in beamflow's:
+Runs in its own virtual environment (``benchmarks.peers.quix_python`` creates it), never in beamflow's:
 
     .cache/peers/quix-venv/bin/python benchmarks/peers/quix_clicks.py CONFIG.json
 
