@@ -75,14 +75,34 @@ _SIZE_SAMPLE = 8
 SourceOf = Callable[[Mapping[str, Any]], tuple[str | None, int | None, int | None]]
 
 
-def open_pool(dsn: str, max_size: int = 2, timeout: float = 10.0) -> ConnectionPool:
+# A writer frozen inside a transaction (a SIGSTOPped zombie instance, a worker descheduled for minutes) holds its
+# row locks, and every other instance writing the same keys waits on them for as long as it stays frozen (found by
+# benchmarks/peers.py's zombie drill: 3.5 minutes, until the frozen one was resumed by hand). The server ends such a
+# session after this long; its transaction rolls back, which every beamflow sink survives (the bundle is retried and
+# the writes are idempotent or claimed by Kafka coordinates). Far above any real pause inside a sink's transaction.
+IDLE_IN_TRANSACTION_TIMEOUT_S = 120.0
+
+
+def open_pool(
+    dsn: str,
+    max_size: int = 2,
+    timeout: float = 10.0,
+    idle_in_transaction_timeout_s: float | None = IDLE_IN_TRANSACTION_TIMEOUT_S,
+) -> ConnectionPool:
     """A small psycopg pool whose connections are health-checked on checkout (a restarted server leaves dead
-    ones)."""
+    ones) and whose sessions the server ends when they sit idle inside a transaction for
+    ``idle_in_transaction_timeout_s`` (None: the server's setting), so a frozen instance cannot block the others."""
+    from psycopg.conninfo import conninfo_to_dict
+
     from beamflow.postgres.retry import check_login
     from beamflow.secrets import postgres_conninfo
 
     conninfo = postgres_conninfo(dsn)  # a password reference (env:/file:) is resolved here, in the worker that connects
     check_login(conninfo)  # a refused login fails here, in one line, not as pool timeouts retried for minutes
+    kwargs: dict[str, Any] = {"connect_timeout": 10}
+    if idle_in_transaction_timeout_s is not None and "options" not in conninfo_to_dict(conninfo):
+        # The DSN's own options win: a user who sets them decides.
+        kwargs["options"] = f"-c idle_in_transaction_session_timeout={int(idle_in_transaction_timeout_s * 1000)}"
     pool = ConnectionPool(
         conninfo,
         min_size=1,
@@ -90,7 +110,7 @@ def open_pool(dsn: str, max_size: int = 2, timeout: float = 10.0) -> ConnectionP
         timeout=timeout,
         open=False,
         check=ConnectionPool.check_connection,
-        kwargs={"connect_timeout": 10},
+        kwargs=kwargs,
         name="beamflow-postgres",
     )
     pool.open(wait=False)
