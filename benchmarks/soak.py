@@ -28,13 +28,9 @@ SERIES = ("taskmanager_rss_mb", "python_workers_rss_mb", "checkpoint_state_mb", 
 
 def rss_mb(pid: int) -> float:
     """Resident memory of one process in MB (0 when it is gone)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
+    from benchmarks.e2e.samplers import proc_rss_mb
+
+    return proc_rss_mb(pid) or 0.0
 
 
 def sample(rest: Any, job_id: str, flink: Any, job_name: str, config: dict[str, Any], t0: float) -> dict[str, Any]:

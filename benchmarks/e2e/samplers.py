@@ -51,7 +51,8 @@ def _proc_cpu_s(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _proc_rss_mb(pid: int) -> float | None:
+def proc_rss_mb(pid: int) -> float | None:
+    """Resident memory of one process in MB (None when it is gone)."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
@@ -82,7 +83,7 @@ class JvmSampler(threading.Thread):
         rest = FlinkRest(self.rest_url, timeout=5)
         tm_id = None
         while not self._halt.is_set():
-            rss = _proc_rss_mb(self.roles.get("taskmanager", -1))
+            rss = proc_rss_mb(self.roles.get("taskmanager", -1))
             self.peak_rss_mb = max(self.peak_rss_mb, rss or 0.0)
             try:
                 tm_id = tm_id or rest.taskmanagers()[0]["id"]
