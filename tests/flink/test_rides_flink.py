@@ -303,7 +303,11 @@ def test_each_result_once_and_each_ride_in_one_current_session(run: str, request
 
 # After a failover the cell store was once seen holding a stale session row (one of two TaskManager drills: 1,517 ride
 # counts over 1,456 distinct rides, the topic exact in the same run): a session row written before the failure that
-# the restored job's windows neither rewrite nor mark superseded. Not explained yet; kept visible, not hidden.
+# the restored job's windows neither rewrite nor mark superseded. The likely path (not yet shown): the two sinks are
+# not atomic with each other; a session written to the cells in a bundle whose Kafka transaction the failure aborted
+# is replayed after the restore in another shape (a ride now merged before the window fired, so another start and no
+# `supersedes`, the pane ledger restored without it), which the topic never saw but the cells keep. A fix would merge
+# in the cell sink, as WriteSessions does: mark every stored row of the driver that the new session overlaps.
 _STALE_ROW = pytest.mark.xfail(reason="stale cell row after a failover, seen once (see the comment)", strict=False)
 
 
