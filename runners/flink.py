@@ -34,7 +34,8 @@ Flink-side options the Python SDK then accepts as flags, and against a Flink 1.1
   check element-wise results, not end-of-input windows.
 - max_bundle_size, max_bundle_time_ms -> ``--max_bundle_size``, ``--max_bundle_time_mills``
 - finish_bundle_before_checkpointing -> ``--finish_bundle_before_checkpointing``
-- files_to_stage -> ``--files_to_stage`` (repeated)
+- files_to_stage -> ``--files_to_stage`` (repeated): the jars the job ships, on beamflow's job server; Beam's own
+  ``FlinkJobServerDriver`` ignores it and ships its classpath
 
 The state backend: Beam's own ``--state_backend`` knows only ``rocksdb`` and ``filesystem`` (the deprecated
 ``RocksDBStateBackend``/``FsStateBackend``, needing ``--state_backend_storage_path``); the cluster's
@@ -44,8 +45,10 @@ The job server reads the same config.yaml (``--flink-conf-dir``), so checkpoint 
 
 Locally (``FlinkService``), ``job_endpoint: auto`` points the job at the job server it started, ``environment:
 PROCESS`` at Beam's ``boot`` it built (each TaskManager starts its own Python SDK workers with it), and
-``files_to_stage: auto`` at the one empty marker jar (Beam's runner jars are on that cluster's classpath, so nothing
-large is uploaded per job). ``options_for_service`` fills all three in for a ``ServiceState``.
+``files_to_stage: auto`` at the one empty marker jar. That jar is all a job ships: Beam's runner jars are on that
+cluster's classpath, and its job server (``beamflow.launcher.LoopbackJobServer``) stages only ``--files_to_stage``.
+Beam 2.62's own ``FlinkJobServerDriver`` ignores ``--files_to_stage`` and uploads its whole classpath (165 jars, 190
+MB) with every job. ``options_for_service`` fills all three in for a ``ServiceState``.
 
 Deployments: PROCESS with ``{type: PROCESS, command: /opt/apache/beam/boot}`` where every TaskManager's image has
 boot, this project and apache-beam of the submitter's exact version; or an EXTERNAL worker pool beside each
@@ -211,7 +214,8 @@ def options_for_service(
     state: Any, config: Mapping[str, Any] | None = None, argv: Sequence[str] = ()
 ) -> PipelineOptions:
     """Options for the local ``FlinkService`` (its ``ServiceState``): its job endpoint, PROCESS workers beside each
-    TaskManager (Beam's boot), and only the marker jar staged (Beam's runner jars are on the cluster's classpath)."""
+    TaskManager (Beam's boot), and only the empty marker jar staged (the job server ships nothing else; Beam's runner
+    jars are on the cluster's classpath)."""
     merged: dict[str, Any] = {**service_settings(state), **(config or {})}
     return flink_options(merged, argv)
 

@@ -14,7 +14,10 @@ The production worker shape, locally: each TaskManager starts its own Python SDK
 environment (Beam's ``boot`` binary, built from the Go module proxy, runs ``sdk_worker_main`` with this project's
 interpreter), so the workers live beside their TaskManager, die with it, and leave the submitting process free to
 exit (detached submission). Beam's runner jars sit on the cluster's own classpath (``<data>/flink/lib``, Flink's
-``FLINK_LIB_DIR``), so a submission ships one empty marker jar instead of about 100 MB of the job server's jars.
+``FLINK_LIB_DIR``, for the JobManager and the TaskManagers alike), and the job server stages only the job's
+``--files_to_stage`` (the one empty marker jar), not its own classpath as Beam 2.62's invoker does (165 jars, 190 MB
+uploaded to the blob store with every job and downloaded by each TaskManager running it: measured here, 29-37 s of
+upload per submission and 400 MB of blobs per job, against 0.2 s and 181 bytes per store with the marker jar).
 
 The processes are started in the foreground (``bin/jobmanager.sh start-foreground`` and ``bin/taskmanager.sh
 start-foreground`` exec the JVM), each in its own process group so ``down()`` leaves no JVM behind. Every port is
@@ -27,15 +30,19 @@ interface, whatever ``--job-host`` says, and offers no option for it; two small 
 (``beamflow/services/java/``, compiled with ``javac`` against the job server's classpath at setup, cached under
 ``<cache>/beamflow-java/`` by a hash of their sources, rebuilt when missing) close that:
 
-* the job server runs ``beamflow.launcher.LoopbackJobServer`` instead of ``FlinkJobServerDriver``: the same arguments,
-  invoker and driver code (``JobServerDriver``'s protected constructor), with job and artifact servers built by a
-  loopback server factory (the expansion server binds ``--job-host`` itself);
+* the job server runs ``beamflow.launcher.LoopbackJobServer`` instead of ``FlinkJobServerDriver``: the same arguments
+  and driver code (``JobServerDriver``'s protected constructor), with job and artifact servers built by a loopback
+  server factory (the expansion server binds ``--job-host`` itself), and ``StageNothingFlinkJobInvoker``: Beam's
+  ``FlinkJobInvoker`` handing ``FlinkPipelineRunner`` the job's ``--files_to_stage`` instead of the job server's
+  classpath (see above);
 * the TaskManagers' Fn API servers for the Python workers come from ``ServerFactory.createDefault()``, which no
   option or hook reaches: ``0-beamflow-loopback-fn-servers.jar`` holds beamflow's own
   ``org.apache.beam.sdk.fn.server.ServerFactory`` (Beam's public API, binding 127.0.0.1). It is first on the
-  cluster's classpath (``lib/``, which Flink's ``config.sh`` sorts) and first on the job server's, whose classpath
-  Beam 2.62 stages in order as every job's jars (which a TaskManager loads child-first): either way it is loaded
-  instead of Beam's. Only that class changes, only on this cluster and its jobs.
+  cluster's classpath: Flink's ``config.sh`` (``constructFlinkClassPath``) puts every jar of ``lib/`` on the JVM's
+  classpath in sorted order (``0-`` first), flink-dist last, and Beam's jars are in ``lib/`` only (not in Flink's
+  own lib), so the application class loader finds beamflow's class first. A job ships no Beam jar, so its
+  child-first user-code class loader has no ServerFactory of its own and delegates to that one. (Beam's own invoker
+  shipped the job server's classpath, where the jar is first too.) Only that class changes, only on this cluster.
 
 ``tests/flink/test_loopback_only.py`` lists every listening socket of the services with a job running.
 """
@@ -186,7 +193,7 @@ class FlinkService(LocalService):
 
     @property
     def marker_jar(self) -> Path:
-        """What a job stages instead of the job server's jars (the cluster has them in ``lib_dir``)."""
+        """The empty jar a job names in ``--files_to_stage``: all it ships (Beam's jars are in ``lib_dir``)."""
         return self.home / "job-jars" / "beamflow-job.jar"
 
     # -- install ----------------------------------------------------------------------------------------------
@@ -198,8 +205,8 @@ class FlinkService(LocalService):
         self.boot_binary()
 
     def launcher_jar(self) -> Path:
-        """``beamflow.launcher.LoopbackJobServer`` compiled against the job server's classpath, as a jar (the job
-        server hands its classpath entries to Flink, which accepts jars only)."""
+        """``beamflow.launcher.LoopbackJobServer`` (with its job invoker) compiled against the job server's
+        classpath, as a jar on the job server's classpath."""
         return java_jar(JAVA_SOURCES / "launcher", self._job_server_classpath(), self.cache_dir, LAUNCHER_JAR)
 
     def fn_servers_jar(self) -> Path:
@@ -377,10 +384,8 @@ class FlinkService(LocalService):
             "-Dorg.slf4j.simpleLogger.defaultLogLevel=info",
             "-Dorg.slf4j.simpleLogger.showDateTime=true",
             "-Dorg.slf4j.simpleLogger.dateTimeFormat=yyyy-MM-dd HH:mm:ss.SSS",
-            # The fn-servers jar first: Beam 2.62's job server stages its own classpath, in order, as the job's
-            # jars (FlinkJobInvoker: detectClassPathResourcesToStage, whatever --files_to_stage says), and the
-            # TaskManagers load a job's classes child-first from them: so beamflow's ServerFactory is the one they
-            # load, as it is from lib/ when Beam comes from the cluster's classpath.
+            # The fn-servers jar first: beamflow's ServerFactory is the one any Fn API server of the job server
+            # binds with. (Jobs ship only their --files_to_stage: StageNothingFlinkJobInvoker, not this classpath.)
             "-cp", os.pathsep.join([str(self.fn_servers_jar()), str(self.launcher_jar()), f"{classpath}/*"]),
             JOB_SERVER_MAIN,
             f"--flink-master=127.0.0.1:{ports['rest']}",

@@ -34,6 +34,7 @@ __all__ = [
     "OffsetSampler",
     "TrafficFeeder",
     "drill_config",
+    "job_blobs",
     "latest_retained_checkpoint",
     "python_workers",
     "sink_holdings",
@@ -218,6 +219,25 @@ def taskmanager_role_running(rest: FlinkRest, job_id: str) -> str:
     hosts = rest._request("GET", f"/jobs/{job_id}/vertices/{vertex}/taskmanagers")["taskmanagers"]
     index = int(str(hosts[0]["taskmanager-id"]).split("-")[1])
     return "taskmanager" if index == 1 else f"taskmanager-{index}"
+
+
+def job_blobs(flink: ServiceState, job_id: str) -> dict[str, list[int]]:
+    """The sizes of a job's blobs in each of the cluster's blob stores (store folder -> sizes, largest first).
+
+    A job's permanent blobs are the jars it shipped (and Flink's offloaded job or task information, which a small job
+    does not need): the JobManager stores them at submission, each TaskManager that runs a task of the job downloads
+    them into its own store, all under ``blob.storage.directory`` (``<data>/flink/tmp/blob``). Read while the job runs:
+    the stores delete a job's blobs once it ends.
+    """
+    root = Path(flink.info["conf_dir"]).parent / "tmp" / "blob"
+    found: dict[str, list[int]] = {}
+    for folder in root.glob(f"blobStore-*/job_{job_id}"):
+        sizes = []
+        for blob in folder.iterdir():
+            with contextlib.suppress(OSError):  # a store may be deleting it
+                sizes.append(blob.stat().st_size)
+        found[folder.parent.name] = sorted(sizes, reverse=True)
+    return found
 
 
 def python_workers(flink: ServiceState, job_name: str) -> list[int]:

@@ -17,6 +17,7 @@ from beamflow.services.base import wait_until
 from beamflow.services.flink import FlinkService
 from beamflow.services.paths import cache_dir
 from runners.flink import options_for_service
+from tests.flink.drill_support import job_blobs
 
 pytestmark = pytest.mark.flink
 
@@ -66,13 +67,21 @@ def test_streaming_pipeline_with_checkpoints_runs_on_the_session_cluster(flink: 
     )
     pipeline = beam.Pipeline(options=options)
     _ = pipeline | beam.Create(list(range(40))) | beam.Reshuffle() | beam.ParDo(WriteSquare(str(out_dir)))
+    rest = FlinkRest(flink.info["rest_url"])
     result = pipeline.run()
+    # What the submission shipped, read while the job runs: only the empty marker jar (Beam's runner jars are on the
+    # cluster's classpath), not the job server's 165 jars (Beam 2.62's own invoker stages its whole classpath).
+    job_id = _wait_for_job(rest, job_name)
+    rest.wait_for_state(job_id, {"RUNNING", "FINISHED"}, timeout=300)
+    blobs = job_blobs(flink, job_id)
+    assert blobs, "no blob store holds the job's marker jar"
+    assert all(len(sizes) == 1 for sizes in blobs.values()), blobs
+    assert sum(map(sum, blobs.values())) < 10_000, blobs
     assert result.wait_until_finish() == PipelineState.DONE
 
     written = {int(p.stem): p.read_text() for p in out_dir.iterdir()}
     assert written == {i: str(i * i) for i in range(40)}
 
-    rest = FlinkRest(flink.info["rest_url"])
     jobs = [job for job in rest.jobs() if job.name == job_name]
     assert len(jobs) == 1, [j.name for j in rest.jobs()]
     assert jobs[0].state == "FINISHED"
@@ -80,6 +89,18 @@ def test_streaming_pipeline_with_checkpoints_runs_on_the_session_cluster(flink: 
     assert rest.completed_checkpoints(jobs[0].job_id) >= 1
     job_config = rest._request("GET", f"/jobs/{jobs[0].job_id}/config")["execution-config"]
     assert job_config["job-parallelism"] == 2
+
+
+def _wait_for_job(rest: FlinkRest, job_name: str, timeout: float = 300) -> str:
+    """The id of the Flink job of that name, once the job server has submitted it."""
+    found: list[str] = []
+
+    def listed() -> bool:
+        found.extend(job.job_id for job in rest.jobs() if job.name == job_name)
+        return bool(found)
+
+    wait_until(listed, timeout, f"Flink to list the job {job_name}")
+    return found[0]
 
 
 def test_cluster_survives_a_killed_taskmanager_and_down_leaves_no_jvm(tmp_path: Path) -> None:

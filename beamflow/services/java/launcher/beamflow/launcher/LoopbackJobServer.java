@@ -8,7 +8,6 @@ import java.util.List;
 import java.util.concurrent.TimeUnit;
 import java.util.function.Supplier;
 import org.apache.beam.model.pipeline.v1.Endpoints;
-import org.apache.beam.runners.flink.FlinkJobInvoker;
 import org.apache.beam.runners.flink.FlinkJobServerDriver;
 import org.apache.beam.runners.jobsubmission.JobServerDriver;
 import org.apache.beam.sdk.extensions.gcp.options.GcsOptions;
@@ -31,9 +30,12 @@ import org.apache.beam.vendor.grpc.v1p60p1.io.grpc.netty.NettyServerBuilder;
  * {@code --job-host} only names the URL it hands out. Anyone who reaches the job port can submit a pipeline, that is
  * run their code on the cluster. {@code FlinkJobServerDriver}'s constructor is private, but {@link JobServerDriver}'s
  * is protected and takes the two server factories: this class parses the same arguments with the public
- * {@code FlinkJobServerDriver.parseArgs}, uses the same invoker ({@code FlinkJobInvoker.create}) and passes
- * factories that bind the loopback address. The expansion server binds {@code --job-host} already (or is disabled
- * with {@code --expansion-port=-1}).
+ * {@code FlinkJobServerDriver.parseArgs} and passes factories that bind the loopback address. The expansion server
+ * binds {@code --job-host} already (or is disabled with {@code --expansion-port=-1}).
+ *
+ * <p>Its invoker is {@link StageNothingFlinkJobInvoker}, Beam's {@code FlinkJobInvoker} except that a job ships only
+ * the files it names in {@code --files_to_stage}, not the job server's whole classpath: Beam's runner jars are on the
+ * cluster's own classpath.
  *
  * <p>Compiled by {@code beamflow.services.flink} with {@code javac} against the job server's classpath (cached).
  */
@@ -57,7 +59,7 @@ public final class LoopbackJobServer extends JobServerDriver {
             configuration,
             new LoopbackServerFactory(configuration::getPort),
             new LoopbackServerFactory(configuration::getArtifactPort),
-            () -> FlinkJobInvoker.create(configuration))
+            () -> new StageNothingFlinkJobInvoker(configuration))
         .run();
   }
 
