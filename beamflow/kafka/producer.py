@@ -778,7 +778,10 @@ class ExactlyOnceShardWriter:
             # SystemError: a fatal error (fencing) raised inside flush() while it serves delivery callbacks reaches
             # Python as "returned a result with an exception set", the KafkaException as its context.
             error = _kafka_error_of(exc)
-            if _is_fenced(error):
+            # Also seen (full CI run): flush() "returned NULL without setting an exception" and every queued record
+            # purged (_PURGE_QUEUE), which librdkafka does when a fatal fencing error ends the producer.
+            purged = isinstance(exc, SystemError) and error is None and any("_PURGE_QUEUE" in e for e in self._errors)
+            if _is_fenced(error) or purged:
                 raise ShardFenced(
                     f"shard {self.shard}: fenced by a newer writer of {self.transactional_id}; attempt "
                     f"{claim.attempt} is not written"
