@@ -29,9 +29,13 @@ session once (pane 0). A stream's panes accumulate (a later pane of a session ca
 can merge sessions: the merged result lists the windows it ``supersedes``; in the cells the superseded rows get an
 ``s:superseded_by`` cell. After a restore from a checkpoint a pane may fire again with other rides than before the
 failure (the watermark met the replayed rides in another order): the rides' digest gives it another id, so it is
-written too rather than skipped as a replay, and of two results for one window and pane the one with more rides is
-the newer (panes accumulate). Nothing a result counted is lost that way; a reader keeps, per window, the result with
-the highest (``pane_index``, ``rides``).
+written too rather than skipped as a replay. A session written before the failure can also come back after the
+restore in another shape (another start, no ``supersedes`` naming the old one: the restored windows never saw it).
+So the reader's rule (``current_results``, what the demo and the drills audit both sinks with) goes by overlap, not by
+window: of a driver's results whose windows overlap, the one with the most rides (then the higher pane) is current,
+and every result it overlaps is not. Two current sessions of a driver never share a ride (a ride in two windows puts
+them in overlap), and without failures the rule keeps what ``supersedes`` and the newest pane keep, since panes
+accumulate and a merged session holds the rides of the windows it merged.
 Cells: row ``<driver_id>#<session start ms, 13 digits>`` (salted), family ``s`` (the session) and ``d`` (the
 driver), version = the session's ride count (a later pane of the same session start always holds more rides).
 """
@@ -44,7 +48,7 @@ import json
 import logging
 import operator
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,6 +87,7 @@ __all__ = [
     "EVENT_ID_FIELDS",
     "RidesJob",
     "build_pipeline",
+    "current_results",
     "for_runner",
     "main",
     "result_cells",
@@ -182,6 +187,31 @@ def session_result(agg: WindowedAggregate, driver_columns: tuple[str, ...]) -> d
         "supersedes": [[_ms(s), _ms(e)] for s, e in agg.supersedes],
         "ride_offsets": session.ride_offsets.encode(),
     }
+
+
+def current_results(results: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The results a reader counts: per driver, of results whose session windows overlap, the one with the most
+    rides (then the higher pane index, then the later end) wins and those it overlaps drop out; windows a merged result
+    ``supersedes`` drop out too. Order-free: results from the topic (any partition order) and rows from the cells give
+    the same answer. Why overlap and not the window: after a restore a session may fire again with another start
+    than before the failure, and the stale result never gets a ``supersedes`` naming it (module docstring)."""
+    superseded = {(r["driver_id"], int(s), int(e)) for r in results for s, e in r.get("supersedes", ())}
+    by_driver: dict[str, list[Mapping[str, Any]]] = {}
+    for r in results:
+        if (r["driver_id"], int(r["session_start"]), int(r["session_end"])) not in superseded:
+            by_driver.setdefault(str(r["driver_id"]), []).append(r)
+    current: list[Mapping[str, Any]] = []
+    for driver_results in by_driver.values():
+        kept: list[Mapping[str, Any]] = []
+        ranked = sorted(
+            driver_results, key=lambda r: (int(r["rides"]), int(r["pane_index"]), int(r["session_end"])), reverse=True
+        )
+        for r in ranked:
+            start, end = int(r["session_start"]), int(r["session_end"])
+            if all(end <= int(k["session_start"]) or int(k["session_end"]) <= start for k in kept):
+                kept.append(r)
+        current += kept
+    return current
 
 
 def result_row_key(driver_id: str, start_ms: int) -> bytes:

@@ -32,6 +32,7 @@ from beamflow.generate import (
 from beamflow.kafka.offset_ranges import OffsetRanges
 from beamflow.services import ServiceSet
 from pipelines.demo_common import address, drop_tables, drop_topics, left_behind, start_needed, stop_command, table
+from pipelines.rides import current_results
 
 __all__ = [
     "RidesSummary",
@@ -55,7 +56,7 @@ class ResultsAudit:
 
     results: int = 0  # records (topic) or session rows (cells)
     distinct_ids: int = 0  # distinct result ids among them
-    rides: int = 0  # the rides the current results count, summed (the newest pane of each session not superseded)
+    rides: int = 0  # the rides the current results count, summed (pipelines.rides.current_results)
     distinct_rides: int = 0  # the distinct Kafka coordinates among them
     unknown_zone_rides: int = 0
     sessions: list[SessionKey] = field(default_factory=list)
@@ -225,25 +226,15 @@ def read_committed(bootstrap: str, topic: str, timeout_s: float = 60.0) -> list[
 
 
 def _audit(results: Sequence[Mapping[str, Any]]) -> ResultsAudit:
-    """Counts the results, and the rides of the current ones: per session window the newest pane, unless a merged
-    window supersedes it (a stream's late rides); a bounded batch run has one pane per session and no merges."""
-    superseded = {(r["driver_id"], s, e) for r in results for s, e in r.get("supersedes", ())}
-    newest: dict[tuple[str, int, int], Mapping[str, Any]] = {}
-    for r in results:
-        window = (r["driver_id"], int(r["session_start"]), int(r["session_end"]))
-        # Panes accumulate: the later pane, or of one pane fired twice (after a restore) the one with more rides.
-        order = (int(r["pane_index"]), int(r["rides"]))
-        if window not in superseded and (
-            window not in newest or order > (int(newest[window]["pane_index"]), int(newest[window]["rides"]))
-        ):
-            newest[window] = r
+    """Counts the results, and the rides of the current ones (``pipelines.rides.current_results``: of a driver's
+    overlapping session windows the one with the most rides; a bounded batch run has one pane per session)."""
     audit = ResultsAudit(results=len(results), distinct_ids=len({str(r["result_id"]) for r in results}))
     coordinates = OffsetRanges()
-    for (driver, start, end), r in newest.items():
+    for r in current_results(results):
         audit.rides += int(r["rides"])
         audit.unknown_zone_rides += int(r["unknown_zone_rides"])
         coordinates = coordinates | OffsetRanges.decode(r["ride_offsets"])
-        audit.sessions.append((driver, start, end, int(r["rides"])))
+        audit.sessions.append((str(r["driver_id"]), int(r["session_start"]), int(r["session_end"]), int(r["rides"])))
     audit.distinct_rides = len(coordinates)
     audit.sessions.sort()
     return audit

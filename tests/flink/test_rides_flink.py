@@ -5,8 +5,9 @@ checkpoints every 3 s), on a backlog of rides with every kind of trouble: hot dr
 sessions fire), unknown drivers and zones, bad records.
 
 Audited from the outside once the sessions have closed: the result topic by a plain confluent-kafka
-``read_committed`` consumer (no result id twice; the newest pane of every session not superseded by a merge counts
-each ride once, and those sessions are the sessions of one pass over the rides), the cell store the same way, the
+``read_committed`` consumer (no result id twice; the current results, of a driver's overlapping sessions the one with
+the most rides (``pipelines.rides.current_results``), count each ride once, and those sessions are the sessions of one
+pass over the rides), the cell store the same way, the
 dead letters by cause and the quarantine exactly as the traffic says.
 
 The same again with the rides fed live and, once results are in the topic, the TaskManager running the job SIGKILLed
@@ -287,19 +288,14 @@ def jobmanager_drill(
     yield from _run("ridesjm", (kafka, postgres, registry, flink), service_set, work, 29, kill_the_jobmanager)
 
 
-# OPEN BUG, seen once (full CI-shaped run, 2026-12-01): after the JobManager kill and the restore from its checkpoint,
-# a read_committed reader's current sessions counted 1,467 rides over 1,456 distinct ones (423 results, no id twice):
-# 11 rides in two current sessions. The helper's runs before were exact. Not yet explained; kept visible (xfail, not
-# strict) so every run shows whether it happened, never counted as a pass.
-_RIDES_TWICE_AFTER_RESTORE = pytest.mark.xfail(
-    reason="rides in two current sessions after a JobManager restore, seen once (see the comment)", strict=False
-)
 RUNS = ("rides_run", "taskmanager_drill", "jobmanager_drill")
 
 
-@pytest.mark.parametrize(
-    "run", ["rides_run", "taskmanager_drill", pytest.param("jobmanager_drill", marks=_RIDES_TWICE_AFTER_RESTORE)]
-)
+# After a failover a session can come back in another shape than it had before (once seen after a JobManager restore:
+# 11 rides in two current sessions of the topic; once after a TaskManager kill: a stale cell row, 1,517 ride counts
+# over 1,456 rides). Both sinks are read by overlap (pipelines.rides.current_results), so these checks hold the
+# reader's rule to every failover, with no xfail: a ride in two current sessions fails them.
+@pytest.mark.parametrize("run", RUNS)
 def test_each_result_once_and_each_ride_in_one_current_session(run: str, request: pytest.FixtureRequest) -> None:
     rides_run = request.getfixturevalue(run)
     expected, topic = rides_run["expected"], rides_run["topic"]
@@ -310,24 +306,7 @@ def test_each_result_once_and_each_ride_in_one_current_session(run: str, request
     assert topic.unknown_zone_rides == expected["unknown_zone_rides"]
 
 
-# After a failover the cell store was once seen holding a stale session row (one of two TaskManager drills: 1,517 ride
-# counts over 1,456 distinct rides, the topic exact in the same run): a session row written before the failure that
-# the restored job's windows neither rewrite nor mark superseded. The likely path (not yet shown): the two sinks are
-# not atomic with each other; a session written to the cells in a bundle whose Kafka transaction the failure aborted
-# is replayed after the restore in another shape (a ride now merged before the window fired, so another start and no
-# `supersedes`, the pane ledger restored without it), which the topic never saw but the cells keep. A fix would merge
-# in the cell sink, as WriteSessions does: mark every stored row of the driver that the new session overlaps.
-_STALE_ROW = pytest.mark.xfail(reason="stale cell row after a failover, seen once (see the comment)", strict=False)
-
-
-@pytest.mark.parametrize(
-    "run",
-    [
-        "rides_run",
-        pytest.param("taskmanager_drill", marks=_STALE_ROW),
-        pytest.param("jobmanager_drill", marks=_STALE_ROW),
-    ],
-)
+@pytest.mark.parametrize("run", RUNS)
 def test_the_cell_store_holds_each_ride_once_in_its_current_sessions(run: str, request: pytest.FixtureRequest) -> None:
     rides_run = request.getfixturevalue(run)
     expected, cells = rides_run["expected"], rides_run["cells"]

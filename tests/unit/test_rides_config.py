@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import apache_beam as beam
 import pytest
@@ -14,7 +15,14 @@ from apache_beam.utils.timestamp import Timestamp
 from beamflow.aggregates import RideSession, RideSessionFn
 from beamflow.config import ConfigError, JobConfig, LookupConfig, load_job_config
 from beamflow.kafka.offset_ranges import OffsetRanges
-from pipelines.rides import build_pipeline, for_runner, producer_record, result_cells, session_result
+from pipelines.rides import (
+    build_pipeline,
+    current_results,
+    for_runner,
+    producer_record,
+    result_cells,
+    session_result,
+)
 from transforms.hot_key_aggregate import WindowedAggregate
 
 pytestmark = pytest.mark.unit
@@ -149,3 +157,38 @@ def test_a_result_its_cells_and_its_kafka_record() -> None:
     record = producer_record(result)
     assert record.key == b"d00001" and record.record_id == result["result_id"] and record.timestamp_ms == 2_000
     assert json.loads(record.value or b"") == result
+
+
+def _result(driver: str, start: int, end: int, rides: int, pane: int = 0, supersedes: Any = ()) -> dict[str, Any]:
+    return {
+        "driver_id": driver,
+        "session_start": start,
+        "session_end": end,
+        "rides": rides,
+        "pane_index": pane,
+        "supersedes": [list(w) for w in supersedes],
+    }
+
+
+def test_current_results_keep_the_newest_pane_and_drop_what_a_merge_supersedes() -> None:
+    # No failure: panes accumulate, and a late ride merging two sessions names both in supersedes.
+    results = [
+        _result("d1", 0, 600, 2),
+        _result("d1", 0, 700, 3, pane=1),
+        _result("d1", 1000, 1600, 1),
+        _result("d1", 0, 1600, 5, pane=0, supersedes=[(0, 700), (1000, 1600)]),
+        _result("d2", 0, 600, 1),
+    ]
+    got = sorted((r["driver_id"], r["session_start"], r["session_end"]) for r in current_results(results))
+    assert got == [("d1", 0, 1600), ("d2", 0, 600)]
+
+
+def test_a_session_replayed_in_another_shape_after_a_restore_replaces_the_stale_one() -> None:
+    # Before the failure [100, 700) fired with 3 rides; after the restore the replay put a ride at 50 first, so the
+    # session fired as [50, 700) with 4 rides and no supersedes naming [100, 700): the two share 3 rides.
+    stale, fresh = _result("d1", 100, 700, 3), _result("d1", 50, 700, 4)
+    assert current_results([stale, fresh]) == [fresh]
+    assert current_results([fresh, stale]) == [fresh]  # whatever order the reader met them in
+    # Sessions of one driver that do not overlap are both current, however many rides each holds.
+    apart = [_result("d1", 0, 600, 9), _result("d1", 600, 1200, 1)]
+    assert len(current_results(apart)) == 2
