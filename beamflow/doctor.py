@@ -608,12 +608,17 @@ def format_findings(findings: list[Finding], out: Callable[[str], None] = print)
         out(f"    fix: {f.fix}")
 
 
-def sample_record_gaps(bootstrap: str, topic: str, per_partition: int = 500) -> dict[int, int]:
-    """The largest gap (ms) between consecutive record timestamps among each partition's newest records."""
+def sample_record_gaps(
+    bootstrap: str, topic: str, per_partition: int = 500, config: Mapping[str, Any] | None = None
+) -> dict[int, int]:
+    """The largest gap (ms) between consecutive record timestamps among each partition's newest records
+    (``config``: the job's consumer settings; its connection and security ones are used)."""
+    from beamflow.kafka.admin import connection_settings
     from beamflow.kafka.client import open_consumer
     from beamflow.kafka.record import TopicPartition
 
-    consumer = open_consumer("confluent", bootstrap, "beamflow-doctor")
+    settings = connection_settings(config)
+    consumer = open_consumer("confluent", bootstrap, "beamflow-doctor", settings)
     gaps: dict[int, int] = {}
     try:
         for partition in consumer.partitions(topic):
@@ -622,7 +627,7 @@ def sample_record_gaps(bootstrap: str, topic: str, per_partition: int = 500) -> 
             start = max(low, high - per_partition)
             if high - start < 2:
                 continue
-            probe = open_consumer("confluent", bootstrap, "beamflow-doctor")
+            probe = open_consumer("confluent", bootstrap, "beamflow-doctor", settings)
             try:
                 probe.assign(tp, start)
                 stamps: list[int] = []

@@ -35,7 +35,7 @@ def rss_mb(pid: int) -> float:
 
 def sample(rest: Any, job_id: str, flink: Any, job_name: str, config: dict[str, Any], t0: float) -> dict[str, Any]:
     from beamflow.cli.status import kafka_lag
-    from tests.flink.drill_support import python_workers
+    from beamflow.services.flink import python_workers
 
     taskmanagers = [pid for role, pid in flink.info["roles"].items() if role.startswith("taskmanager")]
     workers = python_workers(flink, job_name)

@@ -127,7 +127,15 @@ def dead_letter_sink(config: JobConfig) -> WriteDeadLetters:
     """``dead_letters.sink``: the PostgreSQL dead-letter table, or a Kafka topic (default ``<kafka.topic>-dlq``)."""
     kafka, pg, dlq = required(config.kafka, "kafka"), required(config.postgres, "postgres"), config.dead_letters
     if dlq.sink == "kafka":
-        return WriteDeadLetters("kafka", bootstrap=kafka.bootstrap, topic=dlq.topic or f"{kafka.topic}-dlq")
+        from beamflow.kafka.admin import connection_settings
+
+        return WriteDeadLetters(
+            "kafka",
+            bootstrap=kafka.bootstrap,
+            topic=dlq.topic or f"{kafka.topic}-dlq",
+            # The read's listener and credentials (secret references stay references until the producer opens).
+            producer_config=connection_settings(kafka.consumer_config),
+        )
     return WriteDeadLetters("postgres", dsn=pg.dsn, table=pg.dead_letters_table)
 
 

@@ -115,15 +115,19 @@ class _ProduceFn(SinkFn):
     def open(self) -> None:
         from confluent_kafka import Producer
 
+        from beamflow.secrets import kafka_client_config
+
         self._producer = Producer(
-            {
-                "bootstrap.servers": self._bootstrap,
-                "linger.ms": 5,
-                **self._config,
-                # Not overridable: the guarantee below depends on them.
-                "acks": "all",
-                "enable.idempotence": True,
-            }
+            kafka_client_config(  # secret references resolved here, in the worker: the DoFn carries the names only
+                {
+                    "bootstrap.servers": self._bootstrap,
+                    "linger.ms": 5,
+                    **self._config,
+                    # Not overridable: the guarantee below depends on them.
+                    "acks": "all",
+                    "enable.idempotence": True,
+                }
+            )
         )
 
     def _on_delivery(self, err: Any, _msg: Any) -> None:

@@ -47,8 +47,11 @@ def run(args: argparse.Namespace) -> int:
         from beamflow.kafka.admin import topic_partition_count
 
         topic = config.kafka.topic
-        partitions = topic_partition_count(args.kafka, topic)
-        findings += check_record_gaps(sample_record_gaps(args.kafka, topic), config.kafka.idle_timeout_ms)
+        client = config.kafka.consumer_config  # SASL_SSL brokers: the job's own listener and credentials
+        partitions = topic_partition_count(args.kafka, topic, config=client)
+        findings += check_record_gaps(
+            sample_record_gaps(args.kafka, topic, config=client), config.kafka.idle_timeout_ms
+        )
     findings = check_config(config, partitions) + findings
     pipeline = args.pipeline or _job_module(config.job.name)
     if pipeline:

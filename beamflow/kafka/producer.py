@@ -61,6 +61,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from beamflow.deadletter import DeadLetter
+from beamflow.kafka.admin import connection_config, topic_partition_count
 
 __all__ = [
     "DEFAULT_PRODUCER_CONFIG",
@@ -156,20 +157,6 @@ def shard_of(record: ProducerRecord, shards: int) -> int:
     return int.from_bytes(hashlib.blake2b(basis, digest_size=8).digest(), "big") % shards
 
 
-# Settings every client of the sink shares with its producer (how to reach and authenticate to the brokers); the
-# admin client and the marker reader get these, not the producer-only ones.
-_CONNECTION_PREFIXES = ("security.", "sasl.", "ssl.", "client.", "socket.", "broker.address.")
-
-
-def connection_config(bootstrap: str, config: dict[str, Any] | None = None) -> dict[str, Any]:
-    """``bootstrap.servers`` plus the connection and security settings of ``config``, secret references
-    (``env:``/``file:``) resolved: for the admin client and consumer the sink makes beside its producer."""
-    from beamflow.secrets import kafka_client_config
-
-    shared = {k: v for k, v in (config or {}).items() if k.startswith(_CONNECTION_PREFIXES)}
-    return kafka_client_config({"bootstrap.servers": bootstrap, **shared})
-
-
 def topic_max_message_bytes(
     bootstrap: str, topic: str, timeout_s: float = 30.0, config: dict[str, Any] | None = None
 ) -> int:
@@ -184,19 +171,6 @@ def topic_max_message_bytes(
         except Exception as exc:
             raise KafkaWriteError(f"topic {topic}: cannot read its configuration ({exc})") from exc
     raise KafkaWriteError(f"no configuration for topic {topic}")
-
-
-def topic_partition_count(
-    bootstrap: str, topic: str, timeout_s: float = 30.0, config: dict[str, Any] | None = None
-) -> int:
-    """How many partitions ``topic`` has; raises KafkaWriteError if it does not exist."""
-    from confluent_kafka.admin import AdminClient
-
-    metadata = AdminClient(connection_config(bootstrap, config)).list_topics(topic, timeout=timeout_s)
-    found = metadata.topics.get(topic)
-    if found is None or found.error is not None or not found.partitions:
-        raise KafkaWriteError(f"topic {topic} does not exist ({found.error if found else 'no metadata'})")
-    return len(found.partitions)
 
 
 @dataclass
@@ -518,6 +492,7 @@ class ExactlyOnceShardWriter:
         self._last_attempt: int | None = None  # the shard's attempt as this writer last left it
         self._checked = False  # the marker was compared with the ledger since this producer started
         self._errors: list[str] = []
+        self._fatal: Any = None  # librdkafka's fatal error of the current producer, reported through error_cb
         self._next_prune = 0.0
 
     # ---- hooks for fault-injection tests (no-ops) -------------------------------------------------------------
@@ -539,7 +514,8 @@ class ExactlyOnceShardWriter:
         if self._producer is None:
             from confluent_kafka import Consumer, KafkaException, Producer
 
-            producer = Producer(self.config)
+            self._fatal = None
+            producer = Producer({**self.config, "error_cb": self._on_client_error})
             try:
                 # Fences every older instance on this id and aborts (or waits for) its open transaction.
                 producer.init_transactions(self.timeout_s)
@@ -561,6 +537,25 @@ class ExactlyOnceShardWriter:
             self._producer = producer
             self._checked = False
         return self._producer
+
+    def _on_client_error(self, error: Any) -> None:
+        """librdkafka's error callback. A fatal error (fencing among them) ends the producer for good; librdkafka
+        reports it here (confluent-kafka hands over ``rd_kafka_fatal_error``'s code) whichever call then fails and
+        however that call's failure reaches Python."""
+        if error.fatal():
+            self._fatal = error
+        user_callback = self.config.get("error_cb")
+        if callable(user_callback):
+            user_callback(error)
+
+    def _is_fenced(self, exc: BaseException) -> bool:
+        """The one answer to "was this producer fenced?": the failed call's own error, or the producer's fatal error.
+
+        The second matters because a fatal error raised while ``flush()`` serves delivery callbacks reaches Python
+        in more than one shape: a ``SystemError`` whose context is the ``KafkaException``, or (seen in a full CI run)
+        a ``SystemError`` "returned NULL without setting an exception" with every queued record purged.
+        """
+        return _is_fenced(_kafka_error_of(exc)) or _is_fenced(self._fatal)
 
     def _drop_producer(self) -> None:
         producer, self._producer = self._producer, None
@@ -606,7 +601,7 @@ class ExactlyOnceShardWriter:
             self._send_marker(marker)
             producer.commit_transaction(self.timeout_s)
         except (KafkaException, SystemError) as exc:
-            if _is_fenced(_kafka_error_of(exc)):
+            if self._is_fenced(exc):
                 raise ShardFenced(
                     f"shard {self.shard}: fenced by a newer writer while deciding a pending attempt"
                 ) from exc
@@ -766,6 +761,11 @@ class ExactlyOnceShardWriter:
             # (whose offset commit on a vanished partition would retry until the timeout).
             remaining = producer.flush(self.timeout_s)
             if remaining or self._errors:
+                if _is_fenced(self._fatal):  # the delivery errors are the purge that ends a fenced producer
+                    raise ShardFenced(
+                        f"shard {self.shard}: fenced by a newer writer of {self.transactional_id}; attempt "
+                        f"{claim.attempt} is not written"
+                    )
                 with contextlib.suppress(KafkaException):
                     producer.abort_transaction(_ABORT_TIMEOUT_S)
                 raise KafkaWriteError(
@@ -775,17 +775,12 @@ class ExactlyOnceShardWriter:
             self._send_marker(claim.attempt)
             producer.commit_transaction(self.timeout_s)
         except (KafkaException, SystemError) as exc:
-            # SystemError: a fatal error (fencing) raised inside flush() while it serves delivery callbacks reaches
-            # Python as "returned a result with an exception set", the KafkaException as its context.
-            error = _kafka_error_of(exc)
-            # Also seen (full CI run): flush() "returned NULL without setting an exception" and every queued record
-            # purged (_PURGE_QUEUE), which librdkafka does when a fatal fencing error ends the producer.
-            purged = isinstance(exc, SystemError) and error is None and any("_PURGE_QUEUE" in e for e in self._errors)
-            if _is_fenced(error) or purged:
+            if self._is_fenced(exc):
                 raise ShardFenced(
                     f"shard {self.shard}: fenced by a newer writer of {self.transactional_id}; attempt "
                     f"{claim.attempt} is not written"
                 ) from exc
+            error = _kafka_error_of(exc)
             if error is not None and error.txn_requires_abort():
                 with contextlib.suppress(KafkaException):
                     producer.abort_transaction(_ABORT_TIMEOUT_S)

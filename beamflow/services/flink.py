@@ -84,7 +84,7 @@ from beamflow.services.fetch import maven_classpath, pypi_download
 from beamflow.services.gobuild import go_install
 from beamflow.services.paths import project_root
 
-__all__ = ["BEAM_VERSION", "FLINK_VERSION", "FlinkService", "compile_java", "java_jar", "runner_jars"]
+__all__ = ["BEAM_VERSION", "FLINK_VERSION", "FlinkService", "compile_java", "java_jar", "python_workers", "runner_jars"]
 
 FLINK_VERSION = "1.19.3"
 BEAM_VERSION = "2.62.0"
@@ -199,7 +199,7 @@ class FlinkService(LocalService):
     # -- install ----------------------------------------------------------------------------------------------
     def install(self) -> None:
         self._install_distribution()
-        self._job_server_classpath()
+        self.job_server_classpath()
         self.launcher_jar()
         self.fn_servers_jar()
         self.boot_binary()
@@ -207,17 +207,18 @@ class FlinkService(LocalService):
     def launcher_jar(self) -> Path:
         """``beamflow.launcher.LoopbackJobServer`` (with its job invoker) compiled against the job server's
         classpath, as a jar on the job server's classpath."""
-        return java_jar(JAVA_SOURCES / "launcher", self._job_server_classpath(), self.cache_dir, LAUNCHER_JAR)
+        return java_jar(JAVA_SOURCES / "launcher", self.job_server_classpath(), self.cache_dir, LAUNCHER_JAR)
 
     def fn_servers_jar(self) -> Path:
         """beamflow's loopback ``ServerFactory`` for the TaskManagers, as a jar to put first in ``lib/``."""
-        return java_jar(JAVA_SOURCES / "fnservers", self._job_server_classpath(), self.cache_dir, FN_SERVERS_JAR)
+        return java_jar(JAVA_SOURCES / "fnservers", self.job_server_classpath(), self.cache_dir, FN_SERVERS_JAR)
 
     def boot_binary(self) -> Path:
         """Beam's Python SDK ``boot`` (the PROCESS environment's command), built once from the Go module proxy."""
         return go_install(BOOT_PACKAGE, BOOT_VERSION, "container", self.cache_dir)
 
-    def _job_server_classpath(self) -> Path:
+    def job_server_classpath(self) -> Path:
+        """The folder of Beam's Flink job server jars (the runner with its runtime dependencies), resolved once."""
         return maven_classpath(
             f"beam-flink-job-server-{BEAM_VERSION}-flink-1.19", JOB_SERVER_COORDINATES, self.cache_dir
         )
@@ -329,7 +330,7 @@ class FlinkService(LocalService):
         """FLINK_LIB_DIR: links to Flink's lib and to Beam's runner jars; and the empty jar a job stages instead."""
         shutil.rmtree(self.lib_dir, ignore_errors=True)
         self.lib_dir.mkdir(parents=True)
-        for jar in [*sorted((self.flink_home / "lib").glob("*.jar")), *runner_jars(self._job_server_classpath())]:
+        for jar in [*sorted((self.flink_home / "lib").glob("*.jar")), *runner_jars(self.job_server_classpath())]:
             (self.lib_dir / jar.name).symlink_to(jar)
         # Sorted first on the classpath: the TaskManagers' Fn API servers bind loopback (see the module docstring).
         (self.lib_dir / FN_SERVERS_JAR).symlink_to(self.fn_servers_jar())
@@ -378,7 +379,7 @@ class FlinkService(LocalService):
         return start_process(argv, self.log_dir / f"taskmanager-{index}.out", env=self._env(), cwd=self.home).pid
 
     def _start_job_server(self, ports: dict[str, int]) -> int:
-        classpath = self._job_server_classpath()
+        classpath = self.job_server_classpath()
         argv = [
             "java", *self._java_opts().split(), "-Xmx768m",
             "-Dorg.slf4j.simpleLogger.defaultLogLevel=info",
@@ -445,7 +446,7 @@ class FlinkService(LocalService):
             "log_dir": str(self.log_dir),
             "rest_url": f"http://127.0.0.1:{ports['rest']}",
             "job_endpoint": f"127.0.0.1:{ports['job']}",
-            "job_server_classpath": str(self._job_server_classpath()),
+            "job_server_classpath": str(self.job_server_classpath()),
             # PROCESS environment: {"type": "PROCESS", "config": {"command": boot}} (runners/flink.py).
             "boot": str(self.boot_binary()),
             "marker_jar": str(self.marker_jar),
@@ -604,6 +605,30 @@ def java_jar(sources: Path, classpath: Path, cache_dir: Path, name: str) -> Path
                 out.write(path, path.relative_to(classes).as_posix())
         partial.replace(jar)
     return jar
+
+
+def python_workers(flink: ServiceState, job_name: str) -> list[int]:
+    """Pids of the job's Python SDK workers under this cluster's TaskManagers (PROCESS: TaskManager -> boot ->
+    ``sdk_worker_main``), told apart from other jobs' by the pipeline options boot hands them (``PIPELINE_OPTIONS``)."""
+    taskmanagers = {pid for role, pid in flink.info.get("roles", {}).items() if role.startswith("taskmanager")}
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if b"sdk_worker_main" not in (proc / "cmdline").read_bytes():
+                continue
+            if job_name.encode() not in (proc / "environ").read_bytes():
+                continue
+            pid = int(proc.name)
+            ancestor = pid
+            while ancestor > 1 and ancestor not in taskmanagers:
+                ancestor = int((Path("/proc") / str(ancestor) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ancestor in taskmanagers:
+                found.append(pid)
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
 
 
 def _alive(roles: dict[str, int]) -> bool:

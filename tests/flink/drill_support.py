@@ -27,9 +27,11 @@ from beamflow.config import load_config
 from beamflow.flink_rest import TERMINAL_STATES, FlinkRest
 from beamflow.generate import ClickRecord, GeneratedTraffic, TrafficSpec, avro_click_encoder, generate_traffic
 from beamflow.services import ServiceState
+from beamflow.services.flink import python_workers
 from beamflow.services.paths import project_root
 
 __all__ = [
+    "KILL_MOMENTS",
     "DrillJob",
     "OffsetSampler",
     "TrafficFeeder",
@@ -38,6 +40,7 @@ __all__ = [
     "latest_retained_checkpoint",
     "python_workers",
     "sink_holdings",
+    "wait_for_kill_moment",
     "wait_for_sinks",
 ]
 
@@ -240,30 +243,6 @@ def job_blobs(flink: ServiceState, job_id: str) -> dict[str, list[int]]:
     return found
 
 
-def python_workers(flink: ServiceState, job_name: str) -> list[int]:
-    """Pids of the job's Python SDK workers under this cluster's TaskManagers (PROCESS: TaskManager -> boot ->
-    ``sdk_worker_main``), told apart from other jobs' by the pipeline options boot hands them (``PIPELINE_OPTIONS``)."""
-    taskmanagers = {pid for role, pid in flink.info.get("roles", {}).items() if role.startswith("taskmanager")}
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            if b"sdk_worker_main" not in (proc / "cmdline").read_bytes():
-                continue
-            if job_name.encode() not in (proc / "environ").read_bytes():
-                continue
-            pid = int(proc.name)
-            ancestor = pid
-            while ancestor > 1 and ancestor not in taskmanagers:
-                ancestor = int((Path("/proc") / str(ancestor) / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if ancestor in taskmanagers:
-                found.append(pid)
-        except (OSError, ValueError, IndexError):
-            continue
-    return found
-
-
 def _rest_url(config: dict[str, Any]) -> str:
     return str(config["flink"]["rest_url"])
 
@@ -452,24 +431,22 @@ def accounted_offsets(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def sink_counts(config: dict[str, Any]) -> dict[str, int]:
-    """Distinct Iceberg event ids, dead letters and quarantined records now (0 for a table not created yet)."""
-    import psycopg
-    from psycopg import sql
+    """Distinct Iceberg event ids, dead letters and quarantined records now (0 for a table not created yet).
 
+    The row counts are ``beamflow status``'s own (``sink_totals``); the distinct ids are a scan, which status does not
+    pay for.
+    """
+    from beamflow.cli.status import sink_totals
     from beamflow.iceberg.catalog import CatalogConfig, open_catalog
 
-    out = {"iceberg_distinct_ids": 0, "dead_letters": 0, "quarantined": 0}
+    totals = sink_totals(config)
+    out = {"iceberg_distinct_ids": 0, "dead_letters": totals.get("dead_letters", 0)}
+    out["quarantined"] = totals.get("quarantined", 0)
     ice = config["iceberg"]
     catalog = open_catalog(CatalogConfig(warehouse=ice["catalog"]["warehouse"], uri=ice["catalog"]["uri"]))
-    with contextlib.suppress(Exception):
+    with contextlib.suppress(Exception):  # no table before the first commit
         ids = catalog.load_table(ice["table"]).scan(selected_fields=("event_id",)).to_arrow()["event_id"]
         out["iceberg_distinct_ids"] = len(set(ids.to_pylist()))
-    pg = config["postgres"]
-    with psycopg.connect(pg["dsn"], autocommit=True) as conn:
-        for name, key in (("dead_letters", "dead_letters_table"), ("quarantined", "quarantine_table")):
-            with contextlib.suppress(psycopg.errors.UndefinedTable):
-                row = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(pg[key]))).fetchone()
-                out[name] = int(row[0]) if row else 0
     return out
 
 
@@ -484,6 +461,48 @@ def wait_for_sinks(config: dict[str, Any], traffic: GeneratedTraffic, timeout: f
             return counts
         time.sleep(3)
     return counts
+
+
+# When a kill drill strikes, relative to the job's checkpoints (issue 17: "at least three moments ... including around a
+# checkpoint"): anywhere in the stream; at once after a checkpoint completed (the sinks' writes since then are in no
+# checkpoint yet: the restore replays them into the sinks' replay checks); while a checkpoint is in flight (its
+# barrier between the stages: the restore goes back to the one before).
+KILL_MOMENTS = ("mid-stream", "after a checkpoint completed", "during a checkpoint")
+
+
+def _checkpoint_folders(checkpoints_dir: Path, job_id: str) -> tuple[int, list[int]]:
+    """(newest complete checkpoint number, numbers of the folders still without ``_metadata``)."""
+    complete, open_ = 0, []
+    for folder in (checkpoints_dir / job_id).glob("chk-*"):
+        number = int(folder.name.split("-")[1])
+        if (folder / "_metadata").exists():
+            complete = max(complete, number)
+        else:
+            open_.append(number)
+    return complete, [n for n in open_ if n > complete]
+
+
+def wait_for_kill_moment(checkpoints_dir: Path, job_id: str, moment: str, timeout: float = 180) -> dict[str, Any]:
+    """Returns as soon as the job is at ``moment`` (one of ``KILL_MOMENTS``), with what was seen.
+
+    Read from the checkpoint storage, not Flink REST (whose checkpoint statistics are cached for
+    ``rest.cache.checkpoint-statistics.timeout``, 3 s by default: a checkpoint can start and end unseen): the
+    JobManager creates ``chk-N`` when it triggers checkpoint N and writes ``chk-N/_metadata`` when N completes.
+    """
+    if moment not in KILL_MOMENTS:
+        raise ValueError(f"moment must be one of {KILL_MOMENTS}, not {moment!r}")
+    first_complete, _ = _checkpoint_folders(checkpoints_dir, job_id)
+    if moment == "mid-stream":
+        return {"moment": moment, "newest_complete": first_complete}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        complete, in_flight = _checkpoint_folders(checkpoints_dir, job_id)
+        if moment == "after a checkpoint completed" and complete > first_complete:
+            return {"moment": moment, "newest_complete": complete}
+        if moment == "during a checkpoint" and in_flight:
+            return {"moment": moment, "newest_complete": complete, "in_flight": min(in_flight)}
+        time.sleep(0.005)
+    raise AssertionError(f"job {job_id} never reached the moment {moment!r} in {timeout:.0f}s")
 
 
 def latest_retained_checkpoint(checkpoints_dir: Path, job_id: str) -> str:

@@ -25,7 +25,7 @@ import pytest
 from apache_beam.runners.runner import PipelineState
 
 from beamflow.services import ServiceSet, ServiceState
-from beamflow.services.base import wait_until
+from beamflow.services.base import free_port, wait_until
 from runners.flink import options_for_service
 
 pytestmark = pytest.mark.flink
@@ -275,3 +275,40 @@ def test_the_loopback_pool_replacement_is_what_binds() -> None:
     bind_loopback_worker_pool()
     ours = bound_by(BeamFnExternalWorkerPoolServicer.start)
     assert ours and all(b.loopback for b in ours), _table(ours)
+
+
+def test_the_launcher_binds_only_the_address_a_cluster_deployment_names(
+    flink: ServiceState, service_set: ServiceSet, tmp_path: Path
+) -> None:
+    """docs/deploying/job-server.yaml runs the launcher with ``-Dbeamflow.job-server.bind-address=$(POD_IP)`` and
+    ``--job-host`` = the Service's name: the job and artifact ports listen on that one address (127.0.0.2 here, a
+    stand-in for the pod's IP that no other test uses), whatever host the URLs carry; the wildcard is refused."""
+    from beamflow.services.flink import JOB_SERVER_MAIN, FlinkService
+
+    service: FlinkService = service_set.get("flink")  # type: ignore[assignment]
+    classpath = os.pathsep.join([str(service.launcher_jar()), f"{service.job_server_classpath()}/*"])
+    job_port = free_port()
+    artifact_port = next(p for p in iter(free_port, None) if p != job_port)
+
+    def launch(bind: str) -> subprocess.Popen[bytes]:
+        argv = [
+            "java", f"-Dbeamflow.job-server.bind-address={bind}", "-cp", classpath, JOB_SERVER_MAIN,
+            f"--flink-master=127.0.0.1:{flink.ports['rest']}", "--job-host=beam-job-server.beamflow.invalid",
+            f"--job-port={job_port}", f"--artifact-port={artifact_port}", "--expansion-port=-1",
+            f"--artifacts-dir={tmp_path / 'artifacts'}",
+        ]  # fmt: skip
+        return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+    named = launch("127.0.0.2")
+    try:
+        wait_until(lambda: {b.port for b in bound_sockets([named.pid])} >= {job_port, artifact_port}, 60, "bound")
+        found = [b for b in bound_sockets([named.pid]) if b.port in (job_port, artifact_port)]
+        assert {(b.address, b.port) for b in found} == {("127.0.0.2", job_port), ("127.0.0.2", artifact_port)}, _table(
+            found
+        )
+    finally:
+        named.kill()
+        named.wait(10)
+    wildcard = launch("0.0.0.0")
+    out, _ = wildcard.communicate(timeout=60)
+    assert wildcard.returncode != 0 and b"is the wildcard" in out, out[-2000:]

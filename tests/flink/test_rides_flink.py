@@ -11,11 +11,12 @@ pass over the rides), the cell store the same way, the
 dead letters by cause and the quarantine exactly as the traffic says.
 
 The same again with the rides fed live and, once results are in the topic, the TaskManager running the job SIGKILLed
-(its Python workers with it) and restarted: Flink restores the job from its last checkpoint, the replayed results the
-sink already wrote are skipped by id, and the audit must come out the same. And once more with the JobManager
-SIGKILLed and restarted instead: without HA the job is gone, and it is resubmitted from its newest retained checkpoint
-(``--savepoint_path``) while the old job's tasks may still be writing (zombies fenced by the sink). (Issue 17's
-acceptance asks for at least three moments of each, around a checkpoint; these are one each, mid-stream.)
+(its Python workers with it) and restarted, three times, once at each of ``KILL_MOMENTS``: mid-stream, at once after
+a checkpoint completed, and while a checkpoint is in flight (read from the checkpoint storage): Flink restores the job
+from its last checkpoint, the replayed results the sink already wrote are skipped by id, and the audit must come out
+the same. And once more with the JobManager SIGKILLed and restarted instead, at the same three moments: without HA
+the job is gone each time, and it is resubmitted from its newest retained checkpoint (``--savepoint_path``) while
+the old job's tasks may still be writing (zombies fenced by the sink).
 """
 
 from __future__ import annotations
@@ -49,11 +50,13 @@ from pipelines.rides_demo import (
 )
 from runners.flink import service_settings
 from tests.flink.drill_support import (
+    KILL_MOMENTS,
     DrillJob,
     TrafficFeeder,
     drill_config,
     latest_retained_checkpoint,
     taskmanager_role_running,
+    wait_for_kill_moment,
 )
 
 pytestmark = pytest.mark.flink
@@ -125,18 +128,19 @@ def _wait_for_all_sessions(config: JobConfig, expected: dict[str, Any], job: Dri
     time.sleep(5)  # a replayed or late pane still in flight would show now
 
 
-def _feed_until_results(job: DrillJob, records: list[ClickRecord]) -> tuple[TrafficFeeder, int]:
-    """Starts feeding the rides once the job checkpointed; pauses the feed mid-stream, once a third of the rides is
-    sent and results are in the topic (a failure must find work to replay); the results so far."""
+def _feed_until_results(job: DrillJob, records: list[ClickRecord], holds: int) -> tuple[TrafficFeeder, int]:
+    """Starts feeding the rides once the job checkpointed, with ``holds`` holds spread over the rest of the feed
+    (each fault is applied at a hold, so traffic is always still to come); waits until results are in the topic (a
+    failure must find work to replay). Returns the feeder (at its first hold or past it) and the results so far."""
     job.wait_for_checkpoints(1, 180)
-    feeder = TrafficFeeder(job.config, records, chunks=10, pause_s=3)
+    feeder = TrafficFeeder(job.config, records, chunks=12, pause_s=2)
+    feeder.hold_at(*(0.25 + 0.5 * i / max(holds - 1, 1) for i in range(holds)))  # 25% .. 75% of the rides
     feeder.start()
     config = JobConfig.from_dict(job.config)
     deadline = time.monotonic() + 300
-    while feeder.sent < len(records) // 3 or audit_results(config).results == 0:
+    while audit_results(config).results == 0:
         assert feeder.error is None and time.monotonic() < deadline, f"no results yet\n{job.diagnosis()}"
         time.sleep(1)
-    feeder.pause()
     return feeder, audit_results(config).results
 
 
@@ -222,19 +226,27 @@ def taskmanager_drill(
     """Rides fed live; once results are in the topic, the TaskManager running the job SIGKILLed and restarted."""
     flink_service: FlinkService = service_set.get("flink")  # type: ignore[assignment]
 
+    checkpoints_dir = Path(flink.info["checkpoints_dir"])
+
     def kill_a_taskmanager(jobs: list[DrillJob], records: list[ClickRecord]) -> dict[str, Any]:
         job = jobs[-1]
         assert job.job_id is not None
-        feeder, before = _feed_until_results(job, records)
-        role = taskmanager_role_running(job.rest, job.job_id)
-        flink_service.kill(role)  # its Python workers die with it (PROCESS environment)
-        flink_service.restart(role)
-        job.rest.wait_for_state(job.job_id, {"RUNNING"}, 240)
-        job.wait_for_checkpoints(1, 240)
-        feeder.resume()
+        feeder, before = _feed_until_results(job, records, holds=len(KILL_MOMENTS))
+        kills = []
+        for moment in KILL_MOMENTS:
+            feeder.wait_held()
+            feeder.resume()  # live traffic while the TaskManager dies
+            seen = wait_for_kill_moment(checkpoints_dir, job.job_id, moment)
+            role = taskmanager_role_running(job.rest, job.job_id)
+            flink_service.kill(role)  # its Python workers die with it (PROCESS environment)
+            killed_at = time.monotonic()
+            flink_service.restart(role)
+            job.rest.wait_for_state(job.job_id, {"RUNNING"}, 240)
+            job.wait_for_checkpoints(1, 240)
+            kills.append({**seen, "killed": role, "recovered_s": round(time.monotonic() - killed_at, 1)})
         feeder.join(300)
         assert feeder.error is None and feeder.sent == len(records), feeder.error
-        return {"killed": role, "results_before_kill": before}
+        return {"kills": kills, "results_before_first_kill": before}
 
     yield from _run(
         "ridestm",
@@ -262,28 +274,43 @@ def jobmanager_drill(
     work = tmp_path_factory.mktemp("rides-jm")
 
     def kill_the_jobmanager(jobs: list[DrillJob], records: list[ClickRecord]) -> dict[str, Any]:
-        first = jobs[-1]
-        assert first.job_id is not None
-        feeder, before = _feed_until_results(first, records)
-        flink_service.kill_jobmanager()
-        first.reap(timeout=5)
-        checkpoint = latest_retained_checkpoint(checkpoints_dir, first.job_id)
-        flink_service.restart_jobmanager()
-        deadline = time.monotonic() + 120  # the TaskManagers free the old job's slots once they notice
-        while True:
-            overview = first.rest.overview()
-            if overview.get("slots-available") == overview.get("slots-total") and overview.get("taskmanagers"):
-                break
-            assert time.monotonic() < deadline, overview
-            time.sleep(1)
-        second = DrillJob(first.config, work, "second", (f"--savepoint_path={checkpoint}",), module="pipelines.rides")
-        jobs.append(second)
-        second.start()
-        second.wait_for_checkpoints(1, 240)
-        feeder.resume()
+        assert jobs[-1].job_id is not None
+        feeder, before = _feed_until_results(jobs[-1], records, holds=len(KILL_MOMENTS))
+        kills = []
+        for moment in KILL_MOMENTS:
+            current = jobs[-1]
+            assert current.job_id is not None
+            feeder.wait_held()
+            feeder.resume()  # live traffic while the JobManager is gone
+            seen = wait_for_kill_moment(checkpoints_dir, current.job_id, moment)
+            flink_service.kill_jobmanager()
+            killed_at = time.monotonic()
+            current.reap(timeout=5)
+            checkpoint = latest_retained_checkpoint(checkpoints_dir, current.job_id)
+            flink_service.restart_jobmanager()
+            deadline = time.monotonic() + 120  # the TaskManagers free the old job's slots once they notice
+            while True:
+                overview = current.rest.overview()
+                if overview.get("slots-available") == overview.get("slots-total") and overview.get("taskmanagers"):
+                    break
+                assert time.monotonic() < deadline, overview
+                time.sleep(1)
+            restored = DrillJob(
+                current.config,
+                work,
+                f"restore{len(jobs)}",
+                (f"--savepoint_path={checkpoint}",),
+                module="pipelines.rides",
+            )
+            jobs.append(restored)
+            restored.start()
+            restored.wait_for_checkpoints(1, 240)
+            kills.append(
+                {**seen, "restored_checkpoint": checkpoint, "recovered_s": round(time.monotonic() - killed_at, 1)}
+            )
         feeder.join(300)
         assert feeder.error is None and feeder.sent == len(records), feeder.error
-        return {"restored_checkpoint": checkpoint, "results_before_kill": before}
+        return {"kills": kills, "results_before_first_kill": before}
 
     yield from _run("ridesjm", (kafka, postgres, registry, flink), service_set, work, 29, kill_the_jobmanager)
 
@@ -336,12 +363,20 @@ def test_unknown_drivers_too_late_rides_and_bad_records_are_dead_letters_duplica
     assert row is not None and row[0] == traffic.counts["duplicate_sends"]
 
 
-def test_the_taskmanager_kill_was_a_real_failover_mid_stream(taskmanager_drill: dict[str, Any]) -> None:
-    # Restored from a checkpoint, with results already written that the restored job's replay had to skip or extend.
-    assert taskmanager_drill["checkpoints"]["restored"] >= 1
-    assert 0 < taskmanager_drill["notes"]["results_before_kill"] < taskmanager_drill["topic"].results
+def test_the_taskmanager_kills_were_real_failovers_at_each_moment(taskmanager_drill: dict[str, Any]) -> None:
+    # Restored from a checkpoint after each kill, with results already written that the restored job's replay had to
+    # skip or extend; one kill at each moment, the in-flight one with a checkpoint really open.
+    kills = taskmanager_drill["notes"]["kills"]
+    assert [k["moment"] for k in kills] == list(KILL_MOMENTS)
+    assert "in_flight" in kills[-1]
+    assert taskmanager_drill["checkpoints"]["restored"] >= len(KILL_MOMENTS)
+    assert 0 < taskmanager_drill["notes"]["results_before_first_kill"] < taskmanager_drill["topic"].results
 
 
-def test_the_jobmanager_kill_was_restored_from_a_checkpoint(jobmanager_drill: dict[str, Any]) -> None:
+def test_the_jobmanager_kills_were_each_restored_from_a_checkpoint(jobmanager_drill: dict[str, Any]) -> None:
+    kills = jobmanager_drill["notes"]["kills"]
+    assert [k["moment"] for k in kills] == list(KILL_MOMENTS)
+    assert "in_flight" in kills[-1]
+    assert len({k["restored_checkpoint"] for k in kills}) == len(KILL_MOMENTS)
     assert jobmanager_drill["restored_from"] is not None
-    assert 0 < jobmanager_drill["notes"]["results_before_kill"] < jobmanager_drill["topic"].results
+    assert 0 < jobmanager_drill["notes"]["results_before_first_kill"] < jobmanager_drill["topic"].results

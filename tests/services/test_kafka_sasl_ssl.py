@@ -67,3 +67,47 @@ def test_a_wrong_password_or_plaintext_gets_nothing(kafka: ServiceState) -> None
     assert any(e.code() == KafkaError._AUTHENTICATION for e in wrong), wrong
     assert any("SCRAM-SHA-512" in e.str() and "credentials" in e.str() for e in wrong), wrong
     _errors_of({"bootstrap.servers": kafka.info["secure_bootstrap"], "socket.timeout.ms": 5000})
+
+
+def test_admin_calls_and_the_kafka_dead_letter_sink_go_through_the_sasl_ssl_listener(
+    kafka: ServiceState, postgres: ServiceState
+) -> None:
+    """beamflow's own admin calls and the clicks job's Kafka dead-letter sink, built from a job config whose consumer
+    settings name the secure listener's credentials by reference (``sasl.password: file:...``), reach the broker over
+    SASL_SSL only: the job config carries no plaintext route (its bootstrap is the secure listener)."""
+    import apache_beam as beam
+
+    from beamflow.config import as_job_config
+    from beamflow.deadletter import DeadLetter
+    from beamflow.kafka.admin import create_topic, end_offsets, produce, topic_partition_count
+    from pipelines.common import dead_letter_sink
+    from runners.direct import local_options
+
+    secure, client = kafka.info["secure_bootstrap"], kafka.info["secure_client_config"]
+    topic = f"secure-{uuid.uuid4().hex[:8]}"
+    create_topic(secure, topic, 2, config=client)
+    create_topic(secure, f"{topic}-dlq", 1, config=client)
+    assert topic_partition_count(secure, topic, config=client) == 2
+    assert produce(secure, topic, [(b"k", b"v", {"partition": 1})], config=client) == 1
+    assert end_offsets(secure, topic, config=client) == {0: 0, 1: 1}
+
+    job = as_job_config(
+        {
+            "job": {"name": "secure-dlq"},
+            "kafka": {"topic": topic, "group_id": f"g-{topic}", "bootstrap": secure, "consumer_config": client},
+            "postgres": {"dsn": postgres.info["dsn"]},
+            "dead_letters": {"sink": "kafka"},
+        }
+    )
+    sink = dead_letter_sink(job)
+    assert sink.producer_config["sasl.password"].startswith("file:")  # the name travels, not the secret
+    letters = [
+        DeadLetter(f"bad-{i}".encode(), "decode_avro", "not Confluent wire format", topic, 1, i) for i in range(3)
+    ]
+    with beam.Pipeline(options=local_options()) as p:
+        _ = p | beam.Create(letters) | sink
+    assert end_offsets(secure, f"{topic}-dlq", config=client) == {0: 3}
+
+    # The same admin call without the job's settings is refused by the secure listener (no silent fallback).
+    with pytest.raises(Exception):  # noqa: B017 - librdkafka: a timeout or transport failure
+        topic_partition_count(secure, topic, timeout_s=5)

@@ -120,8 +120,20 @@ def test_job_server_deployment_and_service_agree() -> None:
     assert {"Deployment", "Service", "PersistentVolumeClaim", "ConfigMap"} <= set(docs)
     container = docs["Deployment"]["spec"]["template"]["spec"]["containers"][0]
     argv = [*container.get("command", []), *container.get("args", [])]
-    main_class = "org.apache.beam.runners.flink.FlinkJobServerDriver"
+    # beamflow's launcher, as the local job server runs it (FlinkJobServerDriver's options; one bound address;
+    # nothing shipped per job), from the jar the image builds (docs/deploying/Dockerfile).
+    main_class = "beamflow.launcher.LoopbackJobServer"
     assert main_class in argv
+    assert "org.apache.beam.runners.flink.FlinkJobServerDriver" not in argv
+    jvm_args = argv[: argv.index(main_class)]
+    classpath = jvm_args[jvm_args.index("-cp") + 1].split(":")
+    dockerfile = (DEPLOYING / "Dockerfile").read_text()
+    assert classpath[0] == "/opt/beam/beamflow-loopback-job-server.jar" and classpath[0] in dockerfile
+    assert "/opt/flink/lib/0-beamflow-loopback-fn-servers.jar" in dockerfile
+    bind = [a for a in jvm_args if a.startswith("-Dbeamflow.job-server.bind-address=")]
+    assert bind == ["-Dbeamflow.job-server.bind-address=$(POD_IP)"], "one named address, never the wildcard"
+    env = {e["name"]: e for e in container["env"]}
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     # The driver's arguments (the JVM's module flags come before the main class).
     driver_args = argv[argv.index(main_class) + 1 :]
     flags = dict(arg.split("=", 1) for arg in driver_args)

@@ -33,6 +33,11 @@ import org.apache.beam.vendor.grpc.v1p60p1.io.grpc.netty.NettyServerBuilder;
  * {@code FlinkJobServerDriver.parseArgs} and passes factories that bind the loopback address. The expansion server
  * binds {@code --job-host} already (or is disabled with {@code --expansion-port=-1}).
  *
+ * <p>On a cluster the job server must be reachable by submitters in other pods: the system property {@value
+ * #BIND_PROPERTY} names the one address to bind instead (the pod's IP from the downward API), never the wildcard
+ * ({@code 0.0.0.0} and {@code ::} are refused). {@code --job-host} then stays what it is in Beam, the name handed out
+ * in URLs (the Kubernetes Service), and the port is bound on the named address whatever host the URL carries.
+ *
  * <p>Its invoker is {@link StageNothingFlinkJobInvoker}, Beam's {@code FlinkJobInvoker} except that a job ships only
  * the files it names in {@code --files_to_stage}, not the job server's whole classpath: Beam's runner jars are on the
  * cluster's own classpath.
@@ -40,6 +45,9 @@ import org.apache.beam.vendor.grpc.v1p60p1.io.grpc.netty.NettyServerBuilder;
  * <p>Compiled by {@code beamflow.services.flink} with {@code javac} against the job server's classpath (cached).
  */
 public final class LoopbackJobServer extends JobServerDriver {
+
+  /** The one address to bind instead of loopback (a cluster deployment); unset: loopback. */
+  public static final String BIND_PROPERTY = "beamflow.job-server.bind-address";
 
   private LoopbackJobServer(
       FlinkJobServerDriver.FlinkServerConfiguration configuration,
@@ -55,37 +63,66 @@ public final class LoopbackJobServer extends JobServerDriver {
     options.as(GcsOptions.class).setGcsUploadBufferSizeBytes(1024 * 1024);
     FileSystems.setDefaultPipelineOptions(options);
     FlinkJobServerDriver.FlinkServerConfiguration configuration = FlinkJobServerDriver.parseArgs(args);
+    String named = System.getProperty(BIND_PROPERTY, "");
+    InetAddress bind = bindAddress(named);
     new LoopbackJobServer(
             configuration,
-            new LoopbackServerFactory(configuration::getPort),
-            new LoopbackServerFactory(configuration::getArtifactPort),
+            new LoopbackServerFactory(configuration::getPort, bind, !named.isEmpty()),
+            new LoopbackServerFactory(configuration::getArtifactPort, bind, !named.isEmpty()),
             () -> new StageNothingFlinkJobInvoker(configuration))
         .run();
   }
 
-  /** Servers on the loopback address only; a URL naming any other address is refused, never widened. */
+  /** Loopback when {@code named} is empty, else that one address; the wildcard is refused. */
+  static InetAddress bindAddress(String named) {
+    if (named.isEmpty()) {
+      return InetAddress.getLoopbackAddress();
+    }
+    try {
+      InetAddress address = InetAddress.getByName(named);
+      if (address.isAnyLocalAddress()) {
+        throw new IllegalArgumentException(
+            BIND_PROPERTY + "=" + named + " is the wildcard: name the one address submitters reach");
+      }
+      return address;
+    } catch (java.net.UnknownHostException e) {
+      throw new IllegalArgumentException(BIND_PROPERTY + "=" + named + " is not an address: " + e, e);
+    }
+  }
+
+  /**
+   * Servers on one address (loopback unless {@value #BIND_PROPERTY} names another); with loopback, a URL naming any
+   * other address is refused, never widened.
+   */
   static final class LoopbackServerFactory extends ServerFactory {
     private static final int KEEP_ALIVE_TIME_SEC = 20; // as Beam's own factories
 
     private final Supplier<Integer> portSupplier;
+    private final InetAddress bind;
+    private final boolean named; // the bind address was named: URLs carry the advertised host, not the bind
 
-    LoopbackServerFactory(Supplier<Integer> portSupplier) {
+    LoopbackServerFactory(Supplier<Integer> portSupplier, InetAddress bind, boolean named) {
       this.portSupplier = portSupplier;
+      this.bind = bind;
+      this.named = named;
     }
 
     @Override
     public Server allocateAddressAndCreate(
         List<BindableService> services, Endpoints.ApiServiceDescriptor.Builder descriptor)
         throws IOException {
-      InetAddress loopback = InetAddress.getLoopbackAddress();
-      Server server = start(services, new InetSocketAddress(loopback, portSupplier.get()));
-      descriptor.setUrl(loopback.getHostAddress() + ":" + server.getPort());
+      Server server = start(services, new InetSocketAddress(bind, portSupplier.get()));
+      descriptor.setUrl(bind.getHostAddress() + ":" + server.getPort());
       return server;
     }
 
     @Override
     public Server create(List<BindableService> services, Endpoints.ApiServiceDescriptor descriptor)
         throws IOException {
+      if (named) {
+        // A cluster deployment: the URL's host is the name submitters use (a Service), the bind is the pod's IP.
+        return start(services, new InetSocketAddress(bind, port(descriptor.getUrl())));
+      }
       SocketAddress address = SocketAddressFactory.createFrom(descriptor.getUrl());
       if (!(address instanceof InetSocketAddress)) {
         throw new IOException("beamflow's job server needs a host:port address, got " + descriptor.getUrl());
@@ -97,6 +134,15 @@ public final class LoopbackJobServer extends JobServerDriver {
                 + descriptor.getUrl());
       }
       return start(services, inet);
+    }
+
+    private static int port(String url) throws IOException {
+      int colon = url.lastIndexOf(':');
+      try {
+        return Integer.parseInt(url.substring(colon + 1));
+      } catch (NumberFormatException | IndexOutOfBoundsException e) {
+        throw new IOException("beamflow's job server needs a host:port address, got " + url, e);
+      }
     }
 
     private static Server start(List<BindableService> services, InetSocketAddress address)
