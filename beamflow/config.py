@@ -95,6 +95,7 @@ class KafkaConfig:
 class RegistryConfig:
     url: str = AUTO
     subject: str | None = None  # None: <kafka.topic>-value (the registry's topic naming)
+    ca_file: str | None = None  # an https:// registry: the PEM CA file it is verified with (None: the system's CAs)
 
 
 @dataclass(frozen=True)

@@ -356,11 +356,13 @@ def load_ride_schema() -> dict[str, Any]:
     return _load_schema("ride_v1")
 
 
-def _avro_encoder(registry_url: str, subject: str, schemas: dict[int, dict[str, Any]]) -> Encoder:
+def _avro_encoder(
+    registry_url: str, subject: str, schemas: dict[int, dict[str, Any]], ca_file: str | None = None
+) -> Encoder:
     from beamflow.avro.registry import SchemaRegistryClient
     from beamflow.avro.serde import AvroSerializer
 
-    client = SchemaRegistryClient(registry_url)
+    client = SchemaRegistryClient(registry_url, ca_file=ca_file)
     serializers = {v: AvroSerializer(client, subject, schema) for v, schema in schemas.items()}
 
     def encode(event: dict[str, Any], version: int) -> bytes:
@@ -369,11 +371,13 @@ def _avro_encoder(registry_url: str, subject: str, schemas: dict[int, dict[str, 
     return encode
 
 
-def avro_click_encoder(registry_url: str, subject: str) -> Encoder:
-    """Encodes events in the Confluent wire format with the click schema v1 or v2, registered under ``subject``."""
-    return _avro_encoder(registry_url, subject, {v: load_click_schema(v) for v in (1, 2)})
+def avro_click_encoder(registry_url: str, subject: str, ca_file: str | None = None) -> Encoder:
+    """Encodes events in the Confluent wire format with the click schema v1 or v2, registered under ``subject``
+    (an ``https://`` registry verified with ``ca_file``)."""
+    return _avro_encoder(registry_url, subject, {v: load_click_schema(v) for v in (1, 2)}, ca_file)
 
 
-def avro_ride_encoder(registry_url: str, subject: str) -> Encoder:
-    """Encodes ride events in the Confluent wire format with the ride schema, registered under ``subject``."""
-    return _avro_encoder(registry_url, subject, {1: load_ride_schema()})
+def avro_ride_encoder(registry_url: str, subject: str, ca_file: str | None = None) -> Encoder:
+    """Encodes ride events in the Confluent wire format with the ride schema, registered under ``subject`` (an
+    ``https://`` registry verified with ``ca_file``)."""
+    return _avro_encoder(registry_url, subject, {1: load_ride_schema()}, ca_file)

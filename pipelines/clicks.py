@@ -152,7 +152,9 @@ def build_pipeline(p: beam.Pipeline, config: JobConfig | Mapping[str, Any]) -> C
     bounded = kafka.bounded
     # A bounded run commits after its sinks (CommitOffsetsAfter below); a streaming one on finalization.
     records = read_records(p, job, "ReadClicks")
-    decoded = records | "DecodeAvro" >> DecodeAvro(registry.url, reader_schema=load_click_schema(2))
+    decoded = records | "DecodeAvro" >> DecodeAvro(
+        registry.url, reader_schema=load_click_schema(2), ca_file=registry.ca_file
+    )
     identified = (
         decoded.decoded
         | "ToClickEvents" >> beam.Map(click_event)

@@ -248,7 +248,7 @@ def run_demo(
 
     spec = spec or TrafficSpec(partitions=kafka.partitions or 4)
     create_topic(kafka.bootstrap, kafka.topic, spec.partitions)
-    encoder = avro_click_encoder(registry.url, registry.subject or f"{kafka.topic}-value")
+    encoder = avro_click_encoder(registry.url, registry.subject or f"{kafka.topic}-value", registry.ca_file)
     per_run = max(1, spec.events // runs)
     # The whole stream ends about now: the first batch starts early enough for every batch to fit before it.
     batch_spec = dataclasses.replace(

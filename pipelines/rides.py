@@ -318,7 +318,8 @@ def build_pipeline(p: beam.Pipeline, config: JobConfig | Mapping[str, Any]) -> R
 
     bounded = kafka.bounded
     records = read_records(p, job, "ReadRides")
-    decoded = records | "DecodeAvro" >> DecodeAvro(required(registry, "registry").url, load_ride_schema())
+    registry = required(registry, "registry")
+    decoded = records | "DecodeAvro" >> DecodeAvro(registry.url, load_ride_schema(), ca_file=registry.ca_file)
     identified = (
         decoded.decoded | "ToRideEvents" >> beam.Map(ride_event) | "WithEventId" >> AttachEventId(EVENT_ID_FIELDS)
     )

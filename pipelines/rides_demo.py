@@ -388,7 +388,7 @@ def run_demo(
     if config.kafka_sink is not None:
         sink = config.kafka_sink
         create_topic(sink.bootstrap or kafka.bootstrap, sink.topic, sink.partitions or spec.partitions)
-    encoder = avro_ride_encoder(registry.url, registry.subject or f"{kafka.topic}-value")
+    encoder = avro_ride_encoder(registry.url, registry.subject or f"{kafka.topic}-value", registry.ca_file)
     gap_ms = config.sessions.gap_s * 1000
     per_run = max(1, spec.events // runs)
     span = spec.events * spec.step_ms + runs * (spec.late_by_ms + 2 * gap_ms)

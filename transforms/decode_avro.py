@@ -61,16 +61,17 @@ def _coordinates_and_value(element: Any) -> tuple[dict[str, Any], Any]:
 class _DecodeFn(beam.DoFn):
     """One registry client and deserializer per DoFn instance (``setup``); writer schemas cached by id."""
 
-    def __init__(self, registry_url: str, reader_schema: dict[str, Any] | None) -> None:
+    def __init__(self, registry_url: str, reader_schema: dict[str, Any] | None, ca_file: str | None = None) -> None:
         self._registry_url = registry_url
         self._reader_schema = reader_schema
+        self._ca_file = ca_file  # the path travels with the DoFn; the worker reads the file when it connects
         self._client: SchemaRegistryClient | None = None
         self._deserializer: AvroDeserializer | None = None
         self._decoded = Metrics.counter(METRICS_NAMESPACE, "decoded")
         self._dead = Metrics.counter(METRICS_NAMESPACE, "dead_letters")
 
     def setup(self) -> None:
-        self._client = SchemaRegistryClient(self._registry_url)
+        self._client = SchemaRegistryClient(self._registry_url, ca_file=self._ca_file)
         self._deserializer = AvroDeserializer(self._client, self._reader_schema)
 
     def teardown(self) -> None:
@@ -124,8 +125,9 @@ class DecodeAvro(beam.PTransform):
     ``truncated_header``, ``empty_body``, ``unknown_schema_id``, ``truncated_body``, ``trailing_bytes``,
     ``corrupt_body``, ``schema_resolution``, ``decode_error``. ``decoded + dead_letters == input``.
 
-    Needs a Confluent-compatible registry (``registry_url``). Writer schemas are fetched once per id and DoFn
-    instance. A registry outage fails the bundle (retried by the runner) instead of producing dead letters.
+    Needs a Confluent-compatible registry (``registry_url``); an ``https://`` one is verified with ``ca_file`` (a
+    PEM path that must exist where the workers run; None: the system's CAs). Writer schemas are fetched once per id
+    and DoFn instance. A registry outage fails the bundle (retried by the runner) instead of producing dead letters.
 
     Delivery: a pure per-element function, so it inherits the guarantee of its source and sinks (exactly-once
     with beamflow's Kafka read and idempotent sinks).
@@ -146,13 +148,16 @@ class DecodeAvro(beam.PTransform):
                                     table="example_dead_letters")
     """
 
-    def __init__(self, registry_url: str, reader_schema: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, registry_url: str, reader_schema: dict[str, Any] | None = None, ca_file: str | None = None
+    ) -> None:
         super().__init__()
         self.registry_url = registry_url
         self.reader_schema = reader_schema
+        self.ca_file = ca_file
 
     def expand(self, records: beam.PCollection) -> DecodeAvroResult:
-        outputs = records | "Decode" >> beam.ParDo(_DecodeFn(self.registry_url, self.reader_schema)).with_outputs(
-            DEAD_LETTERS, main="decoded"
-        )
+        outputs = records | "Decode" >> beam.ParDo(
+            _DecodeFn(self.registry_url, self.reader_schema, self.ca_file)
+        ).with_outputs(DEAD_LETTERS, main="decoded")
         return DecodeAvroResult(outputs.decoded, outputs[DEAD_LETTERS])

@@ -5,15 +5,23 @@ version, versions, compatibility check against the registry's own rules, and per
 level. Errors are typed: a 404 for a schema id is ``SchemaNotFoundError`` (a data problem: the record
 names a schema nobody registered), a refused connection is ``RegistryUnavailableError`` (an
 infrastructure problem: retry, do not dead-letter).
+
+TLS: an ``https://`` registry is verified against ``ca_file`` when one is given (else the system's CAs). A TLS
+failure (a certificate that does not verify, TLS spoken to a plain HTTP port, plain HTTP to a TLS port) is a
+``RegistryError`` in one line naming the registry: a configuration problem, not an outage, so it is raised at
+once and never treated as transient.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
+import socket
+import ssl
 import threading
 from dataclasses import dataclass
-from typing import Any
-from urllib.parse import quote
+from typing import Any, TypeVar
+from urllib.parse import quote, urlsplit
 
 import requests
 
@@ -40,6 +48,7 @@ COMPATIBILITY_LEVELS = (
     "FULL_TRANSITIVE",
 )
 _CONTENT_TYPE = "application/vnd.schemaregistry.v1+json"
+_E = TypeVar("_E", bound=BaseException)
 
 
 class RegistryError(RuntimeError):
@@ -81,6 +90,42 @@ class CompatibilityResult:
     messages: tuple[str, ...] = ()
 
 
+def _innermost(exc: BaseException, kind: type[_E]) -> _E | None:
+    """The deepest exception of ``kind`` among ``exc``'s causes and arguments (requests wraps urllib3 wraps ssl)."""
+    found: _E | None = None
+    seen: set[int] = set()
+    level: list[BaseException] = [exc]
+    while level:  # breadth first: the last one found is on the deepest level
+        below: list[BaseException] = []
+        for current in level:
+            if id(current) in seen:
+                continue
+            seen.add(id(current))
+            if isinstance(current, kind):
+                found = current
+            nested = (current.__cause__, current.__context__, getattr(current, "reason", None), *current.args)
+            below.extend(e for e in nested if isinstance(e, BaseException))
+        level = below
+    return found
+
+
+def _speaks_tls(url: str, timeout: float) -> bool:
+    """Whether ``url``'s host and port complete a TLS handshake (the certificate is not checked: only asked)."""
+    parts = urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    try:
+        with (
+            socket.create_connection((host, port), timeout=min(timeout, 5.0)) as raw,
+            context.wrap_socket(raw, server_hostname=host),
+        ):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
 def canonical_schema(schema: dict[str, Any] | str) -> str:
     """The schema as compact JSON text (what the registry stores); a string is parsed first to validate it."""
     parsed = json.loads(schema) if isinstance(schema, str) else schema
@@ -90,13 +135,17 @@ def canonical_schema(schema: dict[str, Any] | str) -> str:
 class SchemaRegistryClient:
     """Talks to one registry at ``url`` (the Confluent-compatible base, e.g. ``http://host:port/apis/ccompat/v7``).
 
+    ``ca_file``: a PEM file of the CA certificates an ``https://`` registry is verified with (None: the system's).
     Thread-safe; keeps one HTTP session. Schemas fetched by id are cached for the client's lifetime.
     """
 
-    def __init__(self, url: str, timeout: float = 10.0) -> None:
+    def __init__(self, url: str, timeout: float = 10.0, ca_file: str | None = None) -> None:
         self.url = url.rstrip("/")
         self.timeout = timeout
+        self.ca_file = ca_file
         self._session = requests.Session()
+        if ca_file is not None:
+            self._session.verify = ca_file  # the CA (or the server's own self-signed certificate) to verify with
         self._session.headers.update({"Accept": _CONTENT_TYPE, "Content-Type": _CONTENT_TYPE})
         self._by_id: dict[int, dict[str, Any]] = {}
         self._lock = threading.Lock()
@@ -105,9 +154,18 @@ class SchemaRegistryClient:
 
     def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
         try:
-            response = self._session.request(method, self.url + path, json=body, timeout=self.timeout)
+            # ``verify`` again per request: requests lets REQUESTS_CA_BUNDLE / CURL_CA_BUNDLE override a session's
+            # ``verify`` (psf/requests#3829, #4726) but not a request's. None: the session's (or the environment's).
+            response = self._session.request(
+                method, self.url + path, json=body, timeout=self.timeout, verify=self.ca_file
+            )
         except requests.RequestException as exc:
+            tls = self._tls_failure(exc)
+            if tls is not None:
+                raise RegistryError(f"schema registry at {self.url}: {tls}") from exc
             raise RegistryUnavailableError(f"schema registry at {self.url} unreachable: {exc}") from exc
+        except OSError as exc:  # not from the network: requests refusing the CA file itself (e.g. a missing path)
+            raise RegistryError(f"schema registry at {self.url}: {exc}") from exc
         if response.status_code < 300:
             return response.json()
         try:
@@ -126,6 +184,24 @@ class SchemaRegistryClient:
         if response.status_code >= 500:
             raise RegistryUnavailableError(text, response.status_code, code)
         raise RegistryError(text, response.status_code, code)
+
+    def _tls_failure(self, exc: requests.RequestException) -> str | None:
+        """Why the request failed at the TLS layer, in one line, or None when it is not a TLS failure."""
+        if isinstance(exc, requests.exceptions.SSLError):
+            cause = _innermost(exc, ssl.SSLError)
+            if isinstance(cause, ssl.SSLCertVerificationError):
+                where = f"the CA file {self.ca_file}" if self.ca_file else "the system's CAs (no ca_file given)"
+                return f"TLS certificate not trusted ({cause.verify_message}) with {where}"
+            if isinstance(cause, ssl.SSLError) and cause.reason in ("WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE"):
+                return "TLS handshake got no TLS answer: the port serves plain HTTP (use http://)"
+            reason = (cause.reason or str(cause)) if isinstance(cause, ssl.SSLError) else type(exc).__name__
+            return f"TLS failed ({reason})"
+        # Dropped without an HTTP answer: a TLS port does that to plain HTTP. One TLS handshake (nothing sent after
+        # it) tells that apart from a server going away.
+        dropped = any(_innermost(exc, kind) for kind in (ConnectionResetError, http.client.BadStatusLine))
+        if dropped and urlsplit(self.url).scheme == "http" and _speaks_tls(self.url, self.timeout):
+            return "the port speaks TLS and was sent plain HTTP (use https:// and the registry's ca_file)"
+        return None
 
     @staticmethod
     def _subject(subject: str) -> str:

@@ -29,6 +29,7 @@ from beamflow.services.base import (
     stop_process_group,
     wait_until,
 )
+from beamflow.services.tls import self_signed_certificate
 
 __all__ = ["PostgresService", "find_bin_dir"]
 
@@ -270,23 +271,7 @@ class PostgresService(LocalService):
 
     def _tls_files(self) -> tuple[Path, Path]:
         """The server's certificate and key (EC P-256, for 127.0.0.1 and localhost), generated once with openssl."""
-        cert, key = self.tls_dir / "server.crt", self.tls_dir / "server.key"
-        if cert.exists() and key.exists():
-            return cert, key
-        openssl = shutil.which("openssl")
-        if openssl is None:
-            raise ServiceError("PostgreSQL's TLS certificate is made with `openssl` (Debian's openssl package)")
-        self.tls_dir.mkdir(parents=True, exist_ok=True)
-        result = subprocess.run(
-            [openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-             "-days", "3650", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost",
-             "-keyout", str(key), "-out", str(cert)],
-            capture_output=True, text=True, check=False,
-        )  # fmt: skip
-        if result.returncode != 0:
-            raise ServiceError(f"openssl could not make PostgreSQL's certificate: {result.stderr.strip()[-500:]}")
-        os.chmod(key, 0o600)  # the server refuses a key others can read
-        return cert, key
+        return self_signed_certificate(self.tls_dir, "server", owner="PostgreSQL")
 
     def _secure_password_file(self) -> Path:
         """The secure role's password: random, generated once, readable by this user only."""

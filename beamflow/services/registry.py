@@ -14,6 +14,25 @@ by Apicurio's build from JitPack) is taken from its Maven Central coordinates
 ``com.github.erosb:everit-json-schema`` (same code), and the ``config-index`` extension is pinned to
 0.1.10.Final, the newest version whose deployment module is on Central. Storage is Apicurio's default
 in-memory H2 database: every start is an empty registry.
+
+TLS: besides plain HTTP (``info["url"]``, the local default) the registry serves HTTPS on a second loopback port
+(``info["secure_url"]``) with a self-signed certificate made by ``beamflow.services.tls``; ``info["ca_file"]`` is
+the certificate clients verify it with (``SchemaRegistryClient(url, ca_file=...)``, ``registry.ca_file`` in a job
+config). Quarkus 2.16's properties: ``quarkus.http.ssl-port`` and ``quarkus.http.ssl.certificate.files`` /
+``quarkus.http.ssl.certificate.key-files`` (PEM; the singular ``file`` / ``key-file`` are deprecated in 2.16);
+``quarkus.http.host`` binds both servers, so HTTPS is loopback only like HTTP.
+
+Why no HTTP basic auth: Apicurio 2.4's authentication (``registry.auth.enabled``) is OpenID Connect against a
+Keycloak realm (``quarkus.oidc.auth-server-url`` = ``${registry.keycloak.url}/realms/${registry.keycloak.realm}``
+in its ``application.properties``). Its "HTTP basic authentication" option
+(``registry.auth.basic-auth-client-credentials.enabled``, which requires ``registry.auth.enabled=true``) is not a
+user/password check of its own: ``AppAuthenticationMechanism`` (apicurio-common-app-components-auth 0.1.18.Final,
+the version 2.4.2.Final runs) takes the Basic header's user and password as OAuth client credentials, fetches an
+access token for them from ``registry.auth.token.endpoint`` (Keycloak's ``/protocol/openid-connect/token``) and
+then authenticates that bearer token through Quarkus OIDC. The built application carries no other identity
+provider for user/password (no ``quarkus-elytron-security-*``), so basic auth needs a running Keycloak (or another
+OIDC server with a token endpoint), which this project cannot start here. Registry authentication stays off; the
+registry listens on 127.0.0.1 only.
 """
 
 from __future__ import annotations
@@ -30,15 +49,20 @@ from beamflow.services.base import (
     ServiceError,
     ServiceState,
     free_port,
+    port_open,
     start_process,
     stop_process_group,
 )
+from beamflow.services.tls import self_signed_certificate
 
 __all__ = ["APICURIO_VERSION", "RegistryService"]
 
 APICURIO_VERSION = "2.4.2.Final"
 QUARKUS_VERSION = "2.16.4.Final"  # the Quarkus release Apicurio 2.4.2.Final's parent POM builds with
 CCOMPAT_PATH = "/apis/ccompat/v7"
+# What a state written by this module holds; a running registry whose state says otherwise (one started by older
+# code, e.g. without the HTTPS port) is not ready, so ``up()`` restarts it instead of handing it out.
+STATE_LAYOUT = 2
 
 # Apicurio's parent POM lists Confluent's and JitPack's repositories; only Maven Central is reachable, so
 # every repository is mirrored to it (otherwise resolution stops at the first unknown host).
@@ -99,7 +123,8 @@ _JVM_FLAGS = ["-Xms64m", "-Xmx256m", "-XX:+UseSerialGC", "-XX:TieredStopAtLevel=
 
 
 class RegistryService(LocalService):
-    """Apicurio Registry on 127.0.0.1, in-memory storage; ``info['url']`` is the Confluent-compatible base."""
+    """Apicurio Registry on 127.0.0.1, in-memory storage; ``info['url']`` is the Confluent-compatible base over HTTP,
+    ``info['secure_url']`` the same over HTTPS (``ports['https']``), verified with ``info['ca_file']``."""
 
     name = "registry"
     start_timeout = 180.0
@@ -150,12 +175,20 @@ class RegistryService(LocalService):
 
     def _start(self) -> ServiceState:
         port = free_port()
+        ssl_port = free_port()
+        while ssl_port == port:
+            ssl_port = free_port()
+        cert, key = self_signed_certificate(self.home / "tls", "registry", owner="Apicurio Registry")
         java = shutil.which("java") or "java"
         argv = [
             java,
             *_JVM_FLAGS,
             f"-Dquarkus.http.port={port}",
-            "-Dquarkus.http.host=127.0.0.1",
+            "-Dquarkus.http.host=127.0.0.1",  # both servers, HTTP and HTTPS
+            # HTTPS beside HTTP (quarkus.http.insecure-requests keeps its default, enabled), PEM certificate and key.
+            f"-Dquarkus.http.ssl-port={ssl_port}",
+            f"-Dquarkus.http.ssl.certificate.files={cert}",
+            f"-Dquarkus.http.ssl.certificate.key-files={key}",
             # Apicurio's UI and metrics are not used; fewer things to start.
             "-Dregistry.ui.features.readOnly=true",
             "-Dquarkus.micrometer.enabled=false",
@@ -168,11 +201,14 @@ class RegistryService(LocalService):
         state = ServiceState(
             name=self.name,
             pids=[proc.pid],
-            ports={"http": port},
+            ports={"http": port, "https": ssl_port},
             info={
                 "url": url,
                 "api_url": f"http://127.0.0.1:{port}/apis/registry/v2",
+                "secure_url": f"https://127.0.0.1:{ssl_port}{CCOMPAT_PATH}",
+                "ca_file": str(cert),
                 "version": APICURIO_VERSION,
+                "layout": STATE_LAYOUT,
             },
         )
 
@@ -195,5 +231,9 @@ class RegistryService(LocalService):
         return state
 
     def ready(self, state: ServiceState) -> bool:
+        """The Confluent API answers over HTTP and the HTTPS port listens. A state from older code (another
+        ``layout``, no HTTPS port) is never ready: ``up()`` then stops that registry and starts this one."""
+        if state.info.get("layout") != STATE_LAYOUT or "https" not in state.ports:
+            return False
         response = requests.get(f"{state.info['url']}/subjects", timeout=5)
-        return response.status_code == 200 and isinstance(response.json(), list)
+        return response.status_code == 200 and isinstance(response.json(), list) and port_open(state.ports["https"])
