@@ -6,6 +6,11 @@
 2. Commit latency as history grows: commit time at snapshot 10, 100 and 500 with the sink's maintenance on
    (expire every ``--expire-every`` commits keeping ``--keep`` snapshots, compact every ``--compact-every``);
    goal: snapshot 500 within 2x of snapshot 10. ``--no-maintenance`` shows the same curve without it.
+3. Keyed commits (``key_column``, as the clicks job commits event ids after its shuffle), two committers taking
+   turns as two subtasks do, each batch's event times spread over a backlog's whole range: ``followed`` (the keys
+   scanned once, then followed through the appended files, ``beamflow.iceberg.known_keys``) against ``scanned``
+   (the key column of the batch's time range scanned before every commit, the committer's earlier behaviour), commit
+   time at commit 10, 100 and ``--keyed-commits``; ratio scanned / followed at the last. Audited: every event id once.
 
 Run: ``.venv/bin/python benchmarks/iceberg_sink.py [--rows 200000 --batch 20000 --commits 500]``.
 """
@@ -26,17 +31,20 @@ import pyarrow as pa
 
 from beamflow.iceberg.catalog import CatalogConfig, open_catalog
 from beamflow.iceberg.committer import IcebergCommitter, ensure_table
+from beamflow.iceberg.known_keys import KnownKeys
 from beamflow.iceberg.maintenance import compact_files, expire_snapshots
 
 
-def make_rows(n: int, first_offset: int = 0, partitions: int = 8) -> pa.Table:
-    """n click events with 10 columns, coordinates round-robin over ``partitions`` partitions."""
+def make_rows(n: int, first_offset: int = 0, partitions: int = 8, spread_s: int | None = None) -> pa.Table:
+    """n click events with 10 columns, coordinates round-robin over ``partitions`` partitions; with ``spread_s`` the
+    event times are scattered over that many seconds (a backlog's batches each span its whole range)."""
     base = dt.datetime(2024, 5, 1)
     idx = range(first_offset, first_offset + n)
+    seconds = [i if spread_s is None else (i * 7919) % spread_s for i in idx]
     return pa.table(
         {
             "event_id": [f"e{i}" for i in idx],
-            "event_time": [base + dt.timedelta(seconds=i) for i in idx],
+            "event_time": [base + dt.timedelta(seconds=x) for x in seconds],
             "user_id": [f"u{i % 9973}" for i in idx],
             "campaign": [f"c{i % 17}" for i in idx],
             "amount": [float(i % 1000) / 10 for i in idx],
@@ -139,6 +147,61 @@ def commit_latency(
     return result
 
 
+class _ScannedEveryCommit(KnownKeys):
+    """The committer's earlier behaviour: the batch's time range scanned before every commit."""
+
+    def new_rows(self, table: Any, base: Any, batch: pa.Table) -> pa.Table:
+        self.reset()
+        return super().new_rows(table, base, batch)
+
+
+def keyed_commits(root: Path, commits: int, rows_per_commit: int, keep: int, expire_every: int) -> dict[str, Any]:
+    """Two committers taking turns on one keyed table, per variant; commit times and an audit of the event ids."""
+    spread_s = 2 * 86_400  # two days of event time, as a backlog after an outage
+    out: dict[str, Any] = {"commits": commits, "rows_per_commit": rows_per_commit}
+    for variant in ("scanned", "followed"):
+        catalog = open_catalog(CatalogConfig.local(root / f"keyed-{variant}"))
+        pair = [
+            IcebergCommitter(
+                catalog,
+                "bench.keyed",
+                "bench-keyed",
+                key_column="event_id",
+                key_time_column="event_time",
+                partition_by=[("event_time", "day")],
+            )
+            for _ in range(2)
+        ]
+        if variant == "scanned":
+            for committer in pair:
+                committer.known_keys = _ScannedEveryCommit("event_id", "event_time", committer._scan_keys)
+        times: list[float] = []
+        for n in range(commits):
+            batch = make_rows(rows_per_commit, first_offset=n * rows_per_commit, spread_s=spread_s)
+            committer = pair[n % 2]
+            t0 = time.perf_counter()
+            written = committer.commit(batch).rows_written
+            times.append(time.perf_counter() - t0)
+            assert written == rows_per_commit, f"{variant}: commit {n} wrote {written} of {rows_per_commit}"
+            if (n + 1) % expire_every == 0:
+                expire_snapshots(committer.load, keep_last=keep)
+        ids = pair[0].load().scan(selected_fields=("event_id",)).to_arrow()["event_id"].to_pylist()
+        assert len(ids) == len(set(ids)) == commits * rows_per_commit, f"{variant}: audit failed"
+        points = [k for k in (10, 100, commits) if k <= commits]
+        out[variant] = {
+            "commit_ms_at": {k: round(statistics.median(times[max(0, k - 9) : k]) * 1000, 1) for k in points},
+            "total_s": round(sum(times), 2),
+            "scans": sum(c.known_keys.stats.scans for c in pair if c.known_keys is not None),
+            "files_read": sum(c.known_keys.stats.files_read for c in pair if c.known_keys is not None),
+        }
+    last = commits
+    out["scanned_vs_followed_at_last_commit"] = round(
+        out["scanned"]["commit_ms_at"][last] / out["followed"]["commit_ms_at"][last], 2
+    )
+    out["scanned_vs_followed_total"] = round(out["scanned"]["total_s"] / out["followed"]["total_s"], 2)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rows", type=int, default=200_000)
@@ -149,10 +212,16 @@ def main() -> None:
     parser.add_argument("--expire-every", type=int, default=10)
     parser.add_argument("--compact-every", type=int, default=50)
     parser.add_argument("--no-maintenance", action="store_true", help="also measure the curve without maintenance")
+    parser.add_argument("--keyed-commits", type=int, default=400, help="commits per variant in section 3")
+    parser.add_argument("--keyed-only", action="store_true", help="run section 3 only")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="beamflow-iceberg-bench-"))
     try:
-        report: dict[str, Any] = {"throughput": throughput(root, args.rows, args.batch)}
+        report: dict[str, Any] = {"keyed_commits": keyed_commits(root, args.keyed_commits, 500, 50, args.expire_every)}
+        if args.keyed_only:
+            print(json.dumps(report, indent=2))
+            return
+        report["throughput"] = throughput(root, args.rows, args.batch)
         report["latency_with_maintenance"] = commit_latency(
             root, args.commits, args.rows_per_commit, True, args.keep, args.expire_every, args.compact_every
         )

@@ -45,12 +45,13 @@ import pyarrow.compute as pc
 import sqlalchemy.exc
 from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import CommitFailedException, NoSuchTableError, TableAlreadyExistsError
-from pyiceberg.expressions import AlwaysTrue, And, GreaterThanOrEqual, LessThanOrEqual
 from pyiceberg.partitioning import PartitionField, PartitionSpec
 from pyiceberg.schema import Schema, assign_fresh_schema_ids
 from pyiceberg.table import Table
 from pyiceberg.table.snapshots import ancestors_of
 from pyiceberg.transforms import parse_transform
+
+from beamflow.iceberg.known_keys import KnownKeys
 
 __all__ = [
     "DEFAULT_COORDINATES",
@@ -316,15 +317,17 @@ class CommitResult:
 class IcebergCommitter:
     """Commits batches of rows to one Iceberg table exactly once per Kafka record (see the module docstring).
 
-    ``key_column``: rows are deduplicated by this deterministic key against the snapshot each commit is based on.
-    Needed for rows without Kafka coordinates (window aggregates), and for rows whose offsets may reach the
-    committer out of order (after a shuffle by another key, e.g. deduplication by event id): the offset marks assume
-    each partition's offsets arrive in increasing order, so with ``key_column`` they are recorded (for monitoring and
-    resuming a source) but rows are not dropped by them. ``key_time_column`` bounds the key lookup to the batch's
-    range of that column (with a partition spec on it, only the touched partitions are read); it must be part of
-    the key's identity (the same key always has the same time).
-    ``before_commit``: called after the data files are written and before the catalog commit (tests use it to
-    kill the process at exactly that point; also a place for metrics).
+      ``key_column``: rows are deduplicated by this deterministic key against the snapshot each commit is based on.
+      Needed for rows without Kafka coordinates (window aggregates), and for rows whose offsets may reach the
+      committer out of order (after a shuffle by another key, e.g. deduplication by event id): the offset marks assume
+      each partition's offsets arrive in increasing order, so with ``key_column`` they are recorded (for monitoring and
+      resuming a source) but rows are not dropped by them. ``key_time_column`` bounds the key lookup to the batch's
+      range of that column (with a partition spec on it, only the touched partitions are read); it must be part of
+      the key's identity (the same key always has the same time). The keys are scanned once per range and then followed
+    through the files later snapshots append (``beamflow.iceberg.known_keys``), so a commit costs what it adds, not
+    what the table holds.
+      ``before_commit``: called after the data files are written and before the catalog commit (tests use it to
+      kill the process at exactly that point; also a place for metrics).
     """
 
     def __init__(
@@ -353,6 +356,9 @@ class IcebergCommitter:
         self.table_properties = {"write.metadata.previous-versions-max": "10", **(table_properties or {})}
         self.max_attempts = max_attempts
         self.before_commit = before_commit
+        # The keys the table holds, followed commit by commit instead of scanned each time (beamflow.iceberg.known_keys:
+        # a per-commit scan grows with the table and stalled a streaming job's checkpoints on a backlog).
+        self.known_keys = KnownKeys(key_column, key_time_column, self._scan_keys) if key_column else None
 
     def load(self) -> Table:
         """A fresh handle on the table's current metadata (pyiceberg 0.8.1 never auto-retries commits)."""
@@ -421,17 +427,11 @@ class IcebergCommitter:
         keep = pc.fill_null(pc.greater(batch[f.offset], row_mark), True)  # rows without coordinates: key dedup
         return batch.filter(keep)
 
-    def _existing_keys(self, table: Table, snapshot_id: int, batch: pa.Table) -> pa.Table:
+    def _scan_keys(self, table: Table, snapshot_id: int, row_filter: Any) -> list[Any]:
+        """The key column's values at ``snapshot_id`` under ``row_filter`` (what ``KnownKeys`` scans a range with)."""
         assert self.key_column is not None
-        row_filter: Any = AlwaysTrue()
-        if self.key_time_column and self.key_time_column in batch.column_names:
-            low, high = pc.min_max(batch[self.key_time_column]).values()
-            if low.is_valid and high.is_valid:
-                row_filter = And(
-                    GreaterThanOrEqual(self.key_time_column, _literal(low.as_py())),
-                    LessThanOrEqual(self.key_time_column, _literal(high.as_py())),
-                )
-        return table.scan(row_filter=row_filter, selected_fields=(self.key_column,), snapshot_id=snapshot_id).to_arrow()
+        scanned = table.scan(row_filter=row_filter, selected_fields=(self.key_column,), snapshot_id=snapshot_id)
+        return scanned.to_arrow()[self.key_column].to_pylist()
 
     def _attempt(self, batch: pa.Table, incoming_marks: Marks, result: CommitResult) -> None:
         try:
@@ -448,14 +448,10 @@ class IcebergCommitter:
         unique = _dedupe_in_batch(fresh, dedup_keys)
         result.rows_duplicate_in_batch = fresh.num_rows - unique.num_rows
         result.rows_existing_key = 0
-        if self.key_column and base is not None and unique.num_rows:
-            existing = self._existing_keys(table, base.snapshot_id, unique)
-            if existing.num_rows:
-                known = existing[self.key_column].cast(unique[self.key_column].type)
-                new_mask = pc.invert(pc.is_in(unique[self.key_column], value_set=known))
-                before = unique.num_rows
-                unique = unique.filter(new_mask)
-                result.rows_existing_key = before - unique.num_rows
+        if self.known_keys is not None and base is not None and unique.num_rows:
+            before = unique.num_rows
+            unique = self.known_keys.new_rows(table, base, unique)
+            result.rows_existing_key = before - unique.num_rows
 
         result.marks = merge_marks(committed, incoming_marks)
         if unique.num_rows == 0:
@@ -475,3 +471,8 @@ class IcebergCommitter:
         result.rows_written = data.num_rows
         snap = committed_table.current_snapshot()
         result.snapshot_id = snap.snapshot_id if snap else None
+        if self.known_keys is not None:
+            if base is None:
+                self.known_keys.reset()  # the table's first snapshot: the next commit scans its range once
+            else:
+                self.known_keys.committed(base, result.snapshot_id, unique)

@@ -1,0 +1,126 @@
+"""The committer's known keys (beamflow/iceberg/known_keys.py) on a real pyiceberg table (SQLite catalog, local files).
+
+Two committers of one table (two subtasks of a streaming job): each must see the other's keys, reading only the files
+appended since it last looked, never scanning the table again; a snapshot that may remove rows, or an expired known
+snapshot, sends it back to a scan. The first test is shown to fail when the committer does not follow the table.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from beamflow.iceberg.catalog import CatalogConfig, open_catalog
+from beamflow.iceberg.committer import IcebergCommitter
+from beamflow.iceberg.known_keys import KnownKeys
+
+pytestmark = pytest.mark.unit
+
+
+def _rows(ids: range, day: int = 1) -> list[dict[str, Any]]:
+    return [
+        {
+            "event_id": f"e{i}",
+            "event_time": dt.datetime(2026, 1, day, 0, 0, i % 60, tzinfo=dt.UTC),
+            "_kafka": {"topic": "t", "partition": i % 2, "offset": i},
+        }
+        for i in ids
+    ]
+
+
+def _committers(tmp_path: Path, n: int = 2) -> tuple[Any, list[IcebergCommitter]]:
+    catalog = open_catalog(CatalogConfig.local(tmp_path))
+    catalog.create_namespace("kk")
+    return catalog, [
+        IcebergCommitter(
+            catalog,
+            "kk.t",
+            "kk-sink",
+            key_column="event_id",
+            key_time_column="event_time",
+            partition_by=[("event_time", "day")],
+        )
+        for _ in range(n)
+    ]
+
+
+def _ids(catalog: Any) -> list[str]:
+    return sorted(catalog.load_table("kk.t").scan().to_arrow()["event_id"].to_pylist())
+
+
+class _Stale(KnownKeys):
+    """The broken variant: never reads what other committers appended."""
+
+    def _follow(self, table: Any, base: Any) -> None:
+        self._snapshot_id = base.snapshot_id
+
+
+def test_two_committers_see_each_others_keys_by_reading_only_the_new_files(tmp_path: Path) -> None:
+    catalog, (a, b) = _committers(tmp_path)
+    a.commit(_rows(range(0, 60)))
+    # The first commit on a snapshot scans its range once: the whole minute of event time the later rows fall in.
+    assert a.commit(_rows(range(60, 120))).rows_written == 60
+    assert a.known_keys is not None and b.known_keys is not None
+    assert a.known_keys.stats.scans == 1
+    for start in range(120, 200, 10):
+        assert b.commit(_rows(range(start, start + 10))).rows_written == 10
+        # Replays of everything so far, through the committer that did not write the newest rows.
+        replay = a.commit(_rows(range(0, start + 10)))
+        assert (replay.rows_written, replay.rows_existing_key) == (0, start + 10)
+    assert _ids(catalog) == sorted(f"e{i}" for i in range(200))
+    assert a.known_keys.stats.scans == 1, "a commit after the first must not scan the table again"
+    assert a.known_keys.stats.files_read == 8, "only b's eight appended files are read"
+    assert a.known_keys.stats.resets == 0
+
+
+def test_the_check_fails_when_the_committer_does_not_follow_the_table(tmp_path: Path) -> None:
+    catalog, (a, b) = _committers(tmp_path)
+    a.known_keys = _Stale("event_id", "event_time", a._scan_keys)
+    a.commit(_rows(range(0, 60)))
+    a.commit(_rows(range(60, 120)))  # covers the minute: no scan answers for the rows below
+    b.commit(_rows(range(120, 130)))
+    a.commit(_rows(range(120, 130)))  # b's rows again: a stale view appends them twice
+    ids = _ids(catalog)
+    assert len(ids) > len(set(ids)), "the broken variant must write duplicates, or the first test proves nothing"
+
+
+def test_a_wider_time_range_scans_only_the_part_not_covered(tmp_path: Path) -> None:
+    catalog, (a, b) = _committers(tmp_path)
+    b.commit(_rows(range(0, 10), day=2))
+    b.commit(_rows(range(10, 20), day=3))
+    assert a.commit(_rows(range(0, 10), day=2)).rows_existing_key == 10
+    assert a.commit(_rows(range(10, 20), day=3)).rows_existing_key == 10  # day 3 was not covered: one more scan
+    assert a.commit(_rows(range(30, 40), day=2)).rows_written == 10  # covered: no scan
+    assert a.known_keys is not None and a.known_keys.stats.scans == 2
+    assert len(_ids(catalog)) == 30
+
+
+def test_rows_removed_by_a_delete_are_accepted_again(tmp_path: Path) -> None:
+    from pyiceberg.expressions import EqualTo
+
+    catalog, (a,) = _committers(tmp_path, 1)
+    a.commit(_rows(range(0, 10)))
+    a.commit(_rows(range(10, 20)))
+    catalog.load_table("kk.t").delete(EqualTo("event_id", "e3"))  # not an append: what a knows may be gone
+    again = a.commit(_rows(range(0, 20)))
+    assert (again.rows_written, again.rows_existing_key) == (1, 19)
+    assert a.known_keys is not None and a.known_keys.stats.resets == 1
+    assert _ids(catalog) == sorted(f"e{i}" for i in range(20))
+
+
+def test_an_expired_known_snapshot_sends_the_committer_back_to_a_scan(tmp_path: Path) -> None:
+    from beamflow.iceberg.maintenance import expire_snapshots
+
+    catalog, (a, b) = _committers(tmp_path)
+    a.commit(_rows(range(0, 10)))
+    a.commit(_rows(range(10, 20)))
+    for start in range(20, 50, 10):
+        b.commit(_rows(range(start, start + 10)))
+    expire_snapshots(lambda: catalog.load_table("kk.t"), keep_last=1)
+    replay = a.commit(_rows(range(0, 50)))
+    assert (replay.rows_written, replay.rows_existing_key) == (0, 50)
+    assert a.known_keys is not None and a.known_keys.stats.resets == 1
+    assert _ids(catalog) == sorted(f"e{i}" for i in range(50))
