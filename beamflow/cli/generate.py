@@ -30,6 +30,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--kind", choices=sorted(KINDS), default="clicks", help="which traffic (default %(default)s)")
     parser.add_argument("--bootstrap", default="auto", help="Kafka bootstrap (default: the local service)")
     parser.add_argument("--registry", default="auto", help="schema registry URL (default: the local service)")
+    parser.add_argument(
+        "--registry-ca-file", default=None, help="PEM CA file an https:// registry is verified with (default: system's)"
+    )
     parser.add_argument("--topic", default=None, help="default: the kind's name (clicks, rides)")
     parser.add_argument("--subject", default=None, help="default: <topic>-value")
     parser.add_argument("--rate", type=float, default=None, help="records/s to send at (default: as fast as possible)")
@@ -84,9 +87,9 @@ def run(args: argparse.Namespace) -> int:
         dimensions = ride_dimensions(spec)
         seed_ride_dimensions(dsn, dimensions, args.drivers_table, args.zones_table)
         account |= {args.drivers_table: len(dimensions.drivers), args.zones_table: len(dimensions.zones)}
-        encoder = avro_ride_encoder(registry, subject)
+        encoder = avro_ride_encoder(registry, subject, args.registry_ca_file)
     else:
-        encoder = avro_click_encoder(registry, subject)
+        encoder = avro_click_encoder(registry, subject, args.registry_ca_file)
     create_topic(bootstrap, topic, spec.partitions)
     traffic = generate_traffic(spec, encoder)
     acked = produce_traffic(bootstrap, topic, traffic, rate=args.rate)

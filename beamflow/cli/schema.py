@@ -56,6 +56,12 @@ def _common(parser: argparse.ArgumentParser) -> None:
         "--registry",
         help="Confluent-compatible registry URL (default: $BEAMFLOW_REGISTRY_URL, else the local service)",
     )
+    parser.add_argument(
+        "--registry-ca-file",
+        default=os.environ.get("BEAMFLOW_REGISTRY_CA_FILE"),
+        help="PEM CA file an https:// registry is verified with (default: $BEAMFLOW_REGISTRY_CA_FILE, else the "
+        "system's CAs)",
+    )
 
 
 def _sinks(parser: argparse.ArgumentParser) -> None:
@@ -118,7 +124,7 @@ def _print(verdict: RolloutVerdict) -> None:
 
 def run_check(args: argparse.Namespace) -> int:
     candidate = _load(args.schema)
-    client = SchemaRegistryClient(_registry_url(args.registry))
+    client = SchemaRegistryClient(_registry_url(args.registry), ca_file=args.registry_ca_file)
     try:
         verdict = check_rollout(client, args.subject, candidate, **_sink_args(args))
     except (RegistryError, ValueError, OSError) as exc:
@@ -130,7 +136,7 @@ def run_check(args: argparse.Namespace) -> int:
 
 def run_evolve(args: argparse.Namespace) -> int:
     candidate = _load(args.schema)
-    client = SchemaRegistryClient(_registry_url(args.registry))
+    client = SchemaRegistryClient(_registry_url(args.registry), ca_file=args.registry_ca_file)
     try:
         verdict = evolve_sinks(client, args.subject, candidate, **_sink_args(args))
     except RolloutRefusedError as exc:
@@ -148,7 +154,7 @@ def run_evolve(args: argparse.Namespace) -> int:
 
 def run_register(args: argparse.Namespace) -> int:
     candidate = _load(args.schema)
-    client = SchemaRegistryClient(_registry_url(args.registry))
+    client = SchemaRegistryClient(_registry_url(args.registry), ca_file=args.registry_ca_file)
     try:
         safe, lines = check(client, args.subject, candidate)
         print("\n".join(lines))
