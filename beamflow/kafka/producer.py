@@ -552,10 +552,27 @@ class ExactlyOnceShardWriter:
         """The one answer to "was this producer fenced?": the failed call's own error, or the producer's fatal error.
 
         The second matters because a fatal error raised while ``flush()`` serves delivery callbacks reaches Python
-        in more than one shape: a ``SystemError`` whose context is the ``KafkaException``, or (seen in a full CI run)
-        a ``SystemError`` "returned NULL without setting an exception" with every queued record purged.
+        in more than one shape: a ``SystemError`` whose context is the ``KafkaException``, or (seen in full CI runs)
+        a ``SystemError`` "returned NULL without setting an exception" with every queued record purged and no
+        fatal error reported through ``error_cb`` yet: then the producer's own transactional API is asked.
         """
-        return _is_fenced(_kafka_error_of(exc)) or _is_fenced(self._fatal)
+        error = _kafka_error_of(exc)
+        if _is_fenced(error) or _is_fenced(self._fatal):
+            return True
+        if error is None and self._producer is not None:
+            # No Kafka error reached Python (the NULL shape): ask librdkafka. A producer in its fatal state answers
+            # every transactional call with that fatal error; a live one aborts its transaction, which this failed
+            # write would do anyway before the producer is dropped.
+            from confluent_kafka import KafkaException
+
+            try:
+                self._producer.abort_transaction(_ABORT_TIMEOUT_S)
+            except KafkaException as probe:
+                answer = _kafka_error_of(probe)
+                if answer is not None and answer.fatal():
+                    self._fatal = answer
+                return _is_fenced(answer)
+        return False
 
     def _drop_producer(self) -> None:
         producer, self._producer = self._producer, None
@@ -761,13 +778,17 @@ class ExactlyOnceShardWriter:
             # (whose offset commit on a vanished partition would retry until the timeout).
             remaining = producer.flush(self.timeout_s)
             if remaining or self._errors:
+                try:
+                    producer.abort_transaction(_ABORT_TIMEOUT_S)
+                except KafkaException as probe:  # a fenced producer answers with its fatal error
+                    answer = _kafka_error_of(probe)
+                    if answer is not None and answer.fatal():
+                        self._fatal = answer
                 if _is_fenced(self._fatal):  # the delivery errors are the purge that ends a fenced producer
                     raise ShardFenced(
                         f"shard {self.shard}: fenced by a newer writer of {self.transactional_id}; attempt "
                         f"{claim.attempt} is not written"
                     )
-                with contextlib.suppress(KafkaException):
-                    producer.abort_transaction(_ABORT_TIMEOUT_S)
                 raise KafkaWriteError(
                     f"shard {self.shard}: attempt {claim.attempt} aborted: {remaining} records unacked, "
                     f"delivery errors: {self._errors[:3]}"
