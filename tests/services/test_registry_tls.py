@@ -8,8 +8,6 @@ The HTTPS port listens on 127.0.0.1 only.
 
 from __future__ import annotations
 
-import ipaddress
-import os
 import time
 import uuid
 from pathlib import Path
@@ -24,10 +22,9 @@ from beamflow.avro.registry import RegistryError, RegistryUnavailableError, Sche
 from beamflow.services import ServiceState
 from beamflow.services.registry import CCOMPAT_PATH, STATE_LAYOUT, RegistryService
 from beamflow.services.tls import self_signed_certificate
+from tests.sockets import bound_sockets, with_descendants
 
 pytestmark = pytest.mark.services
-
-_LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp*
 
 
 def _subject() -> str:
@@ -96,48 +93,12 @@ def test_a_client_that_cannot_verify_the_registry_fails_once_in_one_line(
     assert calls == 1 and seconds < 15, (calls, seconds)
 
 
-def _listening(port: int) -> list[tuple[str, str, str]]:
-    """(proto, address, socket inode) of every TCP socket listening on ``port``, IPv4 and IPv6."""
-    found = []
-    for proto in ("tcp", "tcp6"):
-        try:
-            lines = Path(f"/proc/net/{proto}").read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            address, hex_port = fields[1].split(":")
-            if fields[3] != _LISTEN or int(hex_port, 16) != port:
-                continue
-            raw = bytes.fromhex(address)
-            if proto == "tcp6":  # four host-order 32-bit words; Java's IPv4 binds show as ::ffff:a.b.c.d
-                ip6 = ipaddress.IPv6Address(b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4)))
-                text = str(ip6.ipv4_mapped or ip6)
-            else:
-                text = str(ipaddress.IPv4Address(raw[::-1]))
-            found.append((proto, text, fields[9]))
-    return found
-
-
-def _socket_inodes(pid: int) -> set[str]:
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            target = os.readlink(fd)
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[len("socket:[") : -1])
-    return inodes
-
-
 def test_the_https_port_listens_on_loopback_only(registry: ServiceState) -> None:
-    listening = _listening(registry.ports["https"])
-    assert listening, f"nothing listens on the HTTPS port {registry.ports['https']}"
-    assert {address for _, address, _ in listening} == {"127.0.0.1"}, listening
-    # ... and it is the registry's own socket.
-    owned = set().union(*(_socket_inodes(pid) for pid in registry.pids))
-    assert {inode for _, _, inode in listening} <= owned, listening
+    port = registry.ports["https"]
+    # The registry's own sockets (its JVM and anything it started) on that port.
+    listening = [b for b in bound_sockets(with_descendants(registry.pids)) if b.port == port]
+    assert listening, f"the registry holds no socket listening on the HTTPS port {port}"
+    assert {b.address for b in listening} == {"127.0.0.1"}, [str(b) for b in listening]
 
 
 def test_a_running_registry_without_the_https_port_is_not_ready(registry: ServiceState, tmp_path: Path) -> None:

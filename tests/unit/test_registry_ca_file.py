@@ -6,11 +6,7 @@ client connects (the TLS behaviour itself is tested against the real registry in
 
 from __future__ import annotations
 
-import base64
-import bz2
-import zlib
 from pathlib import Path
-from typing import Any
 
 import apache_beam as beam
 import pytest
@@ -18,6 +14,7 @@ import pytest
 from beamflow.avro.registry import RegistryError, SchemaRegistryClient
 from beamflow.config import ConfigError, JobConfig, RegistryConfig, load_job_config
 from beamflow.services.tls import self_signed_certificate
+from tests.pipeline_payloads import pickled_dofns
 
 pytestmark = pytest.mark.unit
 
@@ -89,28 +86,8 @@ def test_the_jobs_decode_avro_carries_the_ca_path_not_the_certificate(job: str, 
     config = load_job_config(CONF / f"{job}.yaml", overrides)
     pipeline = beam.Pipeline(options=local_options())
     build_pipeline(pipeline, config)
-    dofns = _pickled_dofns(pipeline.to_runner_api())
+    dofns = pickled_dofns(pipeline.to_runner_api())
     decoders = [blob for blob in dofns if b"_DecodeFn" in blob]
     assert decoders, "no DecodeAvro DoFn in the job"
     assert all(str(cert).encode() in blob for blob in decoders)
     assert not [blob for blob in dofns if body in blob]
-
-
-def _pickled_dofns(proto: Any) -> list[bytes]:
-    """Every ParDo's serialized DoFn, uncompressed (Beam's pickler: base64 of zlib or bz2)."""
-    from apache_beam.portability import common_urns
-    from apache_beam.portability.api import beam_runner_api_pb2
-
-    out = []
-    for transform in proto.components.transforms.values():
-        if transform.spec.urn != common_urns.primitives.PAR_DO.urn:
-            continue
-        payload = beam_runner_api_pb2.ParDoPayload.FromString(transform.spec.payload).do_fn.payload
-        raw = base64.b64decode(payload)
-        for decompress in (zlib.decompress, bz2.decompress):
-            try:
-                out.append(decompress(raw))
-                break
-            except (OSError, ValueError, zlib.error):
-                continue
-    return out

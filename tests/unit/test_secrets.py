@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import base64
-import bz2
 import pickle
-import zlib
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -22,6 +18,7 @@ from beamflow.secrets import (
     resolve_secret,
 )
 from beamflow.secrets import inline_password as dsn_has_password
+from tests.pipeline_payloads import pickled_dofns
 
 pytestmark = pytest.mark.unit
 
@@ -115,28 +112,7 @@ def test_the_dofns_of_the_clicks_job_carry_the_reference_not_the_secret(
     pipeline = beam.Pipeline(options=local_options())
     build_pipeline(pipeline, config)
     proto = pipeline.to_runner_api()
-    carried = [proto.SerializeToString(), *_pickled_dofns(proto)]
+    carried = [proto.SerializeToString(), *pickled_dofns(proto)]
     assert any(b"env:BEAMFLOW_TEST_PG_PASSWORD" in blob for blob in carried)  # the DoFns are really searched
     assert not [blob for blob in carried if SENTINEL.encode() in blob]
     assert SENTINEL.encode() not in pickle.dumps(config)
-
-
-def _pickled_dofns(proto: Any) -> list[bytes]:
-    """Every ParDo's serialized DoFn, uncompressed (Beam's pickler: base64 of zlib or bz2)."""
-    from apache_beam.portability import common_urns
-    from apache_beam.portability.api import beam_runner_api_pb2
-
-    out = []
-    for transform in proto.components.transforms.values():
-        if transform.spec.urn != common_urns.primitives.PAR_DO.urn:
-            continue
-        payload = beam_runner_api_pb2.ParDoPayload.FromString(transform.spec.payload).do_fn.payload
-        raw = base64.b64decode(payload)
-        for decompress in (zlib.decompress, bz2.decompress):
-            try:
-                out.append(decompress(raw))
-                break
-            except (OSError, ValueError, zlib.error):
-                continue
-    assert out, "no ParDo payload could be read"
-    return out
