@@ -14,7 +14,8 @@ Exactness: the answer for a key in a covered range is the table's content at the
   skipped; any other operation (``overwrite``, ``delete``: rows may be gone) or a base that does not descend from the
   known snapshot (expiry took it, or the history was rolled back) drops everything and starts over with a scan;
 - the covered time range is one interval of whole days; a batch reaching outside it scans only the missing part;
-- ``max_keys`` bounds the memory: past it the keys are dropped and the next batch scans its own range again.
+- ``max_keys`` bounds the memory (a million 32-character ids are about 120 MB in a Python set): past it the keys
+  are dropped and the next batch scans its own range again, so a long-running job pays one scan per million rows.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class KnownKeys:
     """The values of ``key_column`` in a table, over a covered range of ``time_column`` (the whole table without
     one), as of one snapshot. ``new_rows(table, base, batch)`` returns the batch's rows whose key is not there."""
 
-    def __init__(self, key_column: str, time_column: str | None, scan: KeyScan, max_keys: int = 5_000_000) -> None:
+    def __init__(self, key_column: str, time_column: str | None, scan: KeyScan, max_keys: int = 1_000_000) -> None:
         self.key_column = key_column
         self.time_column = time_column
         self.max_keys = max_keys
