@@ -15,7 +15,9 @@ Exactness: the answer for a key in a covered range is the table's content at the
   known snapshot (expiry took it, or the history was rolled back) drops everything and starts over with a scan;
 - the covered time range is one interval of whole days; a batch reaching outside it scans only the missing part;
 - ``max_keys`` bounds the memory (a million 32-character ids are about 120 MB in a Python set): past it the keys
-  are dropped and the next batch scans its own range again, so a long-running job pays one scan per million rows.
+  are dropped and the next batch scans its own range again. A job whose batches keep spanning more than that many
+  rows of the table (a backlog of days, all re-touched) is back to a scan per commit, the earlier cost; a stream
+  whose batches touch recent days only stays under it.
 """
 
 from __future__ import annotations
