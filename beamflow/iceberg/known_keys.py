@@ -17,7 +17,7 @@ Exactness: the answer for a key in a covered range is the table's content at the
 - ``max_keys`` bounds the memory (a million 32-character ids are about 120 MB in a Python set): past it the keys
   are dropped and the next batch scans its own range again. A job whose batches keep spanning more than that many
   rows of the table (a backlog of days, all re-touched) is back to a scan per commit, the earlier cost; a stream
-  whose batches touch recent days only stays under it.
+  whose batches touch recent days only is reset now and then and rescans just those days.
 """
 
 from __future__ import annotations
