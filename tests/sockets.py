@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import ipaddress
 import os
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Bound", "bound_sockets", "with_descendants"]
+import apache_beam as beam
+
+__all__ = ["Bound", "SocketGate", "bound_sockets", "with_descendants"]
 
 _LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp*
 _UDP_UNCONNECTED = "07"  # TCP_CLOSE: a UDP socket with no peer receives from anyone
@@ -108,3 +111,18 @@ def bound_sockets(pids: Iterable[int]) -> list[Bound]:
                 if entry:
                     result.add(Bound(pid, command, *entry))
     return sorted(result, key=lambda b: (b.command, b.pid, b.port))
+
+
+class SocketGate(beam.DoFn):
+    """Holds a job in its SDK workers until the test has listed the sockets (a ``release`` file in ``folder``) or
+    120 s passed; each element's worker writes ``started-<element>`` with its pid first."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def process(self, element: int) -> Iterator[int]:
+        Path(self.folder, f"started-{element}").write_text(str(os.getpid()))
+        deadline = time.monotonic() + 120
+        while not Path(self.folder, "release").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        yield element

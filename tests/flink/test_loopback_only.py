@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 
 import apache_beam as beam
@@ -25,7 +25,7 @@ from apache_beam.runners.runner import PipelineState
 from beamflow.services import ServiceSet, ServiceState
 from beamflow.services.base import free_port, wait_until
 from runners.flink import options_for_service
-from tests.sockets import Bound, bound_sockets, with_descendants
+from tests.sockets import Bound, SocketGate, bound_sockets, with_descendants
 
 pytestmark = pytest.mark.flink
 
@@ -67,20 +67,6 @@ def test_the_check_finds_a_wildcard_bind_in_a_grandchild() -> None:
         parent.wait(10)
 
 
-class Gate(beam.DoFn):
-    """Holds the job in its Python workers until the test has listed the sockets (or 120 s passed)."""
-
-    def __init__(self, folder: str) -> None:
-        self.folder = folder
-
-    def process(self, element: int) -> Iterator[int]:
-        Path(self.folder, f"started-{element}").write_text(str(os.getpid()))
-        deadline = time.monotonic() + 120
-        while not Path(self.folder, "release").exists() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        yield element
-
-
 def _run_gated(flink: ServiceState, folder: Path, environment: object | None, sample: object) -> list[Bound]:
     """Submits a two-element job whose workers wait at the gate, lists the sockets with ``sample()`` while one
     waits, releases them, and returns the list once the job finished."""
@@ -93,7 +79,7 @@ def _run_gated(flink: ServiceState, folder: Path, environment: object | None, sa
     if environment is not None:
         config["environment"] = environment
     pipeline = beam.Pipeline(options=options_for_service(flink, config))
-    _ = pipeline | beam.Create([1, 2]) | beam.Reshuffle() | beam.ParDo(Gate(str(folder)))
+    _ = pipeline | beam.Create([1, 2]) | beam.Reshuffle() | beam.ParDo(SocketGate(str(folder)))
     result = pipeline.run()
     try:
         # One element at the gate is enough: its worker's Fn API servers are up (both may share one bundle).

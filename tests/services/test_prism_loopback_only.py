@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 
 import apache_beam as beam
@@ -31,7 +31,7 @@ from runners.prism import (
     listen_calls,
     prism_options,
 )
-from tests.sockets import Bound, bound_sockets, with_descendants
+from tests.sockets import Bound, SocketGate, bound_sockets, with_descendants
 
 pytestmark = pytest.mark.services
 
@@ -87,20 +87,6 @@ def test_a_moved_patch_site_or_a_new_listen_call_stops_the_build(tmp_path: Path)
         patched_text(tree, SourcePatch("go/no/such/file.go", "x", "y"), PRISM_MODULE, PRISM_VERSION)
 
 
-class Gate(beam.DoFn):
-    """Holds the job in its SDK worker until the test has listed the sockets (or 120 s passed)."""
-
-    def __init__(self, folder: str) -> None:
-        self.folder = folder
-
-    def process(self, element: int) -> Iterator[int]:
-        Path(self.folder, f"started-{element}").write_text(str(os.getpid()))
-        deadline = time.monotonic() + 120
-        while not Path(self.folder, "release").exists() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        yield element
-
-
 def _prism_processes(binary: Path) -> dict[int, int]:
     """pid -> job port of every Prism process below this one running ``binary``."""
     found: dict[int, int] = {}
@@ -123,7 +109,7 @@ def test_prism_and_the_loopback_workers_listen_on_loopback_only_with_a_job_runni
     binary = ensure_prism()
     before = {(b.proto, b.port) for b in bound_sockets([os.getpid()])}
     pipeline = beam.Pipeline(options=options)
-    _ = pipeline | beam.Create([1, 2]) | beam.Reshuffle() | beam.ParDo(Gate(str(tmp_path)))
+    _ = pipeline | beam.Create([1, 2]) | beam.Reshuffle() | beam.ParDo(SocketGate(str(tmp_path)))
     result = pipeline.run()
     try:
         wait_until(lambda: any(tmp_path.glob("started-*")), 240, "a gated element in the SDK worker")
