@@ -295,11 +295,6 @@ def _dedupe_in_batch(batch: pa.Table, keys: list[str]) -> pa.Table:
     return batch.take(first.take(pc.sort_indices(first)))
 
 
-def _literal(value: Any) -> Any:
-    """pyiceberg 0.8 literals take no datetime; an ISO string converts to the column's timestamp type."""
-    return value.isoformat() if hasattr(value, "isoformat") else value
-
-
 @dataclass
 class CommitResult:
     """What one ``commit`` call did."""
@@ -317,17 +312,17 @@ class CommitResult:
 class IcebergCommitter:
     """Commits batches of rows to one Iceberg table exactly once per Kafka record (see the module docstring).
 
-      ``key_column``: rows are deduplicated by this deterministic key against the snapshot each commit is based on.
-      Needed for rows without Kafka coordinates (window aggregates), and for rows whose offsets may reach the
-      committer out of order (after a shuffle by another key, e.g. deduplication by event id): the offset marks assume
-      each partition's offsets arrive in increasing order, so with ``key_column`` they are recorded (for monitoring and
-      resuming a source) but rows are not dropped by them. ``key_time_column`` bounds the key lookup to the batch's
-      range of that column (with a partition spec on it, only the touched partitions are read); it must be part of
-      the key's identity (the same key always has the same time). The keys are scanned once per range and then followed
-    through the files later snapshots append (``beamflow.iceberg.known_keys``), so a commit costs what it adds, not
-    what the table holds.
-      ``before_commit``: called after the data files are written and before the catalog commit (tests use it to
-      kill the process at exactly that point; also a place for metrics).
+    ``key_column``: rows are deduplicated by this deterministic key against the snapshot each commit is based on.
+    Needed for rows without Kafka coordinates (window aggregates), and for rows whose offsets may reach the
+    committer out of order (after a shuffle by another key, e.g. deduplication by event id): the offset marks assume
+    each partition's offsets arrive in increasing order, so with ``key_column`` they are recorded (for monitoring and
+    resuming a source) but rows are not dropped by them. ``key_time_column`` bounds the key lookup to the batch's
+    range of that column (with a partition spec on it, only the touched partitions are read); it must be part of
+    the key's identity (the same key always has the same time). The keys are scanned once per range and then
+    followed through the files later snapshots append (``beamflow.iceberg.known_keys``), so a commit costs what it
+    adds, not what the table holds.
+    ``before_commit``: called after the data files are written and before the catalog commit (tests use it to
+    kill the process at exactly that point; also a place for metrics).
     """
 
     def __init__(

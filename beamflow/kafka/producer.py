@@ -560,19 +560,22 @@ class ExactlyOnceShardWriter:
         if _is_fenced(error) or _is_fenced(self._fatal):
             return True
         if error is None and self._producer is not None:
-            # No Kafka error reached Python (the NULL shape): ask librdkafka. A producer in its fatal state answers
-            # every transactional call with that fatal error; a live one aborts its transaction, which this failed
-            # write would do anyway before the producer is dropped.
-            from confluent_kafka import KafkaException
-
-            try:
-                self._producer.abort_transaction(_ABORT_TIMEOUT_S)
-            except KafkaException as probe:
-                answer = _kafka_error_of(probe)
-                if answer is not None and answer.fatal():
-                    self._fatal = answer
-                return _is_fenced(answer)
+            # No Kafka error reached Python (the NULL shape): ask librdkafka.
+            self._abort_or_learn_fatal()
+            return _is_fenced(self._fatal)
         return False
+
+    def _abort_or_learn_fatal(self) -> None:
+        """Aborts the open transaction; a producer in its fatal state answers with that fatal error instead, which
+        is kept. (A live producer's abort is what the failed write does anyway before the producer is dropped.)"""
+        from confluent_kafka import KafkaException
+
+        try:
+            self._producer.abort_transaction(_ABORT_TIMEOUT_S)
+        except KafkaException as probe:
+            answer = _kafka_error_of(probe)
+            if answer is not None and answer.fatal():
+                self._fatal = answer
 
     def _drop_producer(self) -> None:
         producer, self._producer = self._producer, None
@@ -778,12 +781,7 @@ class ExactlyOnceShardWriter:
             # (whose offset commit on a vanished partition would retry until the timeout).
             remaining = producer.flush(self.timeout_s)
             if remaining or self._errors:
-                try:
-                    producer.abort_transaction(_ABORT_TIMEOUT_S)
-                except KafkaException as probe:  # a fenced producer answers with its fatal error
-                    answer = _kafka_error_of(probe)
-                    if answer is not None and answer.fatal():
-                        self._fatal = answer
+                self._abort_or_learn_fatal()
                 if _is_fenced(self._fatal):  # the delivery errors are the purge that ends a fenced producer
                     raise ShardFenced(
                         f"shard {self.shard}: fenced by a newer writer of {self.transactional_id}; attempt "
