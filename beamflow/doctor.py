@@ -15,6 +15,7 @@ from typing import Any
 
 from beamflow.config import FlinkConfig, JobConfig, as_job_config
 from beamflow.kafka.commits import DEFAULT_ROUND_GAP_S
+from beamflow.services.beam_patches import SDF_RESIDUALS_JAR
 
 __all__ = [
     "RULES",
@@ -22,6 +23,7 @@ __all__ = [
     "Job",
     "check_checkpoint_stats",
     "check_config",
+    "check_flink_classpath",
     "check_record_gaps",
     "format_findings",
     "rule_code",
@@ -322,32 +324,6 @@ def no_tolerated_checkpoint_failures(job: Job) -> Finding | None:
     )
 
 
-# Measured by benchmarks/soak.py (clicks job, 2 partitions, 100 records/s, parallelism 2, 10 s checkpoints): the
-# checkpoint grew from 0.97 MB at minute 2 to 6.03 MB at minute 10, linearly, almost all of it in the read's stages.
-SDF_RESIDUAL_MB_PER_PARTITION_MINUTE = 0.32
-
-
-@rule
-def sdf_residual_state_grows(job: Job) -> Finding | None:
-    flink = job.streaming_flink
-    if flink is None:
-        return None
-    partitions = job.partitions or (job.config.kafka.partitions if job.config.kafka else None) or 1
-    per_day_mb = SDF_RESIDUAL_MB_PER_PARTITION_MINUTE * partitions * 60 * 24
-    return Finding(
-        "sdf-residual-state-grows",
-        "info",
-        f"the streaming read's checkpoint state grows without bound (about {per_day_mb:,.0f} MB a day at "
-        f"{partitions} partitions)",
-        "Beam 2.62's portable Flink runner keeps every residual a splittable DoFn defers in its own keyed value "
-        "state, named by a counter, and never clears it (apache/beam#27648; fixed upstream by apache/beam#39191, "
-        "after 2.62): each read call of each partition leaves one behind",
-        "every so often, cancel the job and start it fresh from the consumer group's offsets (no savepoint): "
-        "beamflow's sinks skip what they already hold, so nothing is lost or doubled; or move to a Beam release "
-        "with the fix once the rest of the pins allow it",
-    )
-
-
 @rule
 def iceberg_commit_per_bundle(job: Job) -> Finding | None:
     flink = job.streaming_flink
@@ -591,6 +567,37 @@ def check_checkpoint_stats(stats: Mapping[str, Any], interval_ms: int | None) ->
         )
     )
     return findings
+
+
+# Measured by benchmarks/soak.py on Beam 2.62's own runner (clicks job, 2 partitions, 100 records/s, parallelism 2,
+# 10 s checkpoints): the checkpoint grew from 0.97 MB at minute 2 to 6.03 MB at minute 10, linearly, almost all of it
+# in the read's stages.
+SDF_RESIDUAL_MB_PER_PARTITION_MINUTE = 0.32
+
+
+def check_flink_classpath(classpath: list[str], partitions: int | None) -> list[Finding]:
+    """Reads a cluster's classpath (``/jobmanager/environment``): is Beam's runner patched against apache/beam#27648
+    (``beamflow.services.beam_patches``'s jar ahead of Beam's runner jar), or does a streaming read's state grow?"""
+    names = [entry.rsplit("/", 1)[-1] for entry in classpath]
+    runner = next((i for i, name in enumerate(names) if name.startswith("beam-runners-flink")), None)
+    patched = next((i for i, name in enumerate(names) if name == SDF_RESIDUALS_JAR), None)
+    if runner is None or (patched is not None and patched < runner):
+        return []  # Beam not on the cluster's classpath (jobs ship it: nothing to say from here), or patched
+    per_day_mb = SDF_RESIDUAL_MB_PER_PARTITION_MINUTE * (partitions or 1) * 60 * 24
+    where = "is missing" if patched is None else "comes after Beam's runner jar"
+    return [
+        Finding(
+            "sdf-residual-state-grows",
+            "warning",
+            f"the streaming read's checkpoint state grows without bound on this cluster (about {per_day_mb:,.0f} MB "
+            f"a day at {partitions or 1} partitions): {SDF_RESIDUALS_JAR} {where} on its classpath",
+            "Beam 2.62's portable Flink runner keeps every residual a splittable DoFn defers in a keyed value state "
+            "of its own and never clears it (apache/beam#27648, fixed upstream after 2.62 by apache/beam#39191); "
+            "each read call of each partition leaves one behind",
+            f"put {SDF_RESIDUALS_JAR} (FlinkService.sdf_residuals_jar(), built by `beamflow services up flink`) in the "
+            "cluster's lib/ and on the job server's classpath, both ahead of Beam's jars (docs/deploying.md)",
+        )
+    ]
 
 
 def _phase(summary: Mapping[str, Any], name: str) -> int:

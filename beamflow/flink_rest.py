@@ -77,6 +77,10 @@ class FlinkRest:
     def taskmanagers(self) -> list[dict[str, Any]]:
         return list(self._request("GET", "/taskmanagers").get("taskmanagers", []))
 
+    def jobmanager_classpath(self) -> list[str]:
+        """The JobManager JVM's classpath, in load order (``/jobmanager/environment``, Flink 1.17+)."""
+        return list(self._request("GET", "/jobmanager/environment").get("classpath") or [])
+
     def config(self) -> dict[str, str]:
         """The JobManager's effective configuration as key -> value (``/jobmanager/config``)."""
         return {row["key"]: row["value"] for row in self._request("GET", "/jobmanager/config")}

@@ -65,6 +65,11 @@ def run(args: argparse.Namespace) -> int:
         from beamflow.flink_rest import FlinkRest
 
         rest = FlinkRest(args.flink_rest)
+        if config.flink is not None and config.flink.streaming:
+            from beamflow.doctor import check_flink_classpath
+
+            known = partitions or (config.kafka.partitions if config.kafka else None)
+            findings += check_flink_classpath(rest.jobmanager_classpath(), known)
         job_id = args.job_id or next((j.job_id for j in rest.jobs() if j.state == "RUNNING"), None)
         if job_id is None:
             print("doctor: no running Flink job to inspect")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from beamflow.services.base import ServiceError
 
-__all__ = ["maven_classpath", "pypi_download"]
+__all__ = ["maven_artifact", "maven_classpath", "pypi_download"]
 
 _POM = """<project xmlns="http://maven.apache.org/POM/4.0.0">
   <modelVersion>4.0.0</modelVersion>
@@ -62,6 +62,29 @@ def maven_classpath(name: str, coordinates: Sequence[str], cache_dir: Path) -> P
         raise ServiceError(f"Maven could not resolve {', '.join(coordinates)}:\n{tail}")
     stamp.write_text("\n".join(coordinates))
     return target
+
+
+def maven_artifact(coordinate: str, cache_dir: Path) -> Path:
+    """One artifact without its dependencies (``group:artifact:version[:packaging[:classifier]]``, e.g. a
+    ``...:jar:sources`` jar) into ``cache_dir/artifacts``; returns the file."""
+    _group, artifact, version, *rest = coordinate.split(":")
+    packaging = rest[0] if rest else "jar"
+    classifier = rest[1] if len(rest) > 1 else ""
+    target = cache_dir.resolve() / "artifacts"
+    path = target / f"{artifact}-{version}{'-' + classifier if classifier else ''}.{packaging}"
+    if path.exists():
+        return path
+    target.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        "mvn", "-q", "-B", f"-Dmaven.repo.local={cache_dir.resolve() / 'm2'}",
+        "org.apache.maven.plugins:maven-dependency-plugin:3.6.1:copy",
+        f"-Dartifact={coordinate}", f"-DoutputDirectory={target}",
+    ]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=target)
+    if result.returncode != 0 or not path.exists():
+        tail = "\n".join((result.stdout + result.stderr).splitlines()[-15:])
+        raise ServiceError(f"Maven could not fetch {coordinate}:\n{tail}")
+    return path
 
 
 def pypi_download(spec: str, cache_dir: Path) -> Path:

@@ -44,6 +44,10 @@ interface, whatever ``--job-host`` says, and offers no option for it; two small 
   child-first user-code class loader has no ServerFactory of its own and delegates to that one. (Beam's own invoker
   shipped the job server's classpath, where the jar is first too.) Only that class changes, only on this cluster.
 
+One fix of Beam's own rides the same way: ``0-beamflow-sdf-residuals.jar`` (``beamflow.services.beam_patches``) holds
+Beam 2.62's three runner classes patched so a deferring splittable DoFn's residuals live in one map state instead of a
+new keyed state per deferral (apache/beam#27648), first in ``lib/`` and on the job server's classpath.
+
 ``tests/flink/test_loopback_only.py`` lists every listening socket of the services with a job running.
 """
 
@@ -80,6 +84,7 @@ from beamflow.services.base import (
     wait_for_port,
     wait_until,
 )
+from beamflow.services.beam_patches import SDF_RESIDUALS_JAR, sdf_residual_sources
 from beamflow.services.fetch import maven_classpath, pypi_download
 from beamflow.services.gobuild import go_install
 from beamflow.services.paths import project_root
@@ -202,6 +207,7 @@ class FlinkService(LocalService):
         self.job_server_classpath()
         self.launcher_jar()
         self.fn_servers_jar()
+        self.sdf_residuals_jar()
         self.boot_binary()
 
     def launcher_jar(self) -> Path:
@@ -212,6 +218,12 @@ class FlinkService(LocalService):
     def fn_servers_jar(self) -> Path:
         """beamflow's loopback ``ServerFactory`` for the TaskManagers, as a jar to put first in ``lib/``."""
         return java_jar(JAVA_SOURCES / "fnservers", self.job_server_classpath(), self.cache_dir, FN_SERVERS_JAR)
+
+    def sdf_residuals_jar(self) -> Path:
+        """Beam's runner classes patched so a deferring read's state stays bounded (``beam_patches``), as a jar to put
+        first in ``lib/`` and on the job server's classpath (the operator is serialized there, run here)."""
+        sources = sdf_residual_sources(BEAM_VERSION, self.cache_dir)
+        return java_jar(sources, self.job_server_classpath(), self.cache_dir, SDF_RESIDUALS_JAR)
 
     def boot_binary(self) -> Path:
         """Beam's Python SDK ``boot`` (the PROCESS environment's command), built once from the Go module proxy."""
@@ -334,6 +346,8 @@ class FlinkService(LocalService):
             (self.lib_dir / jar.name).symlink_to(jar)
         # Sorted first on the classpath: the TaskManagers' Fn API servers bind loopback (see the module docstring).
         (self.lib_dir / FN_SERVERS_JAR).symlink_to(self.fn_servers_jar())
+        # Also first: the SDF residual fix (apache/beam#27648, see beamflow.services.beam_patches).
+        (self.lib_dir / SDF_RESIDUALS_JAR).symlink_to(self.sdf_residuals_jar())
         self.marker_jar.parent.mkdir(parents=True, exist_ok=True)
         with zipfile.ZipFile(self.marker_jar, "w") as jar_file:
             jar_file.writestr("META-INF/MANIFEST.MF", "Manifest-Version: 1.0\nCreated-By: beamflow\n")
@@ -387,7 +401,9 @@ class FlinkService(LocalService):
             "-Dorg.slf4j.simpleLogger.dateTimeFormat=yyyy-MM-dd HH:mm:ss.SSS",
             # The fn-servers jar first: beamflow's ServerFactory is the one any Fn API server of the job server
             # binds with. (Jobs ship only their --files_to_stage: StageNothingFlinkJobInvoker, not this classpath.)
-            "-cp", os.pathsep.join([str(self.fn_servers_jar()), str(self.launcher_jar()), f"{classpath}/*"]),
+            "-cp", os.pathsep.join(
+                [str(self.fn_servers_jar()), str(self.sdf_residuals_jar()), str(self.launcher_jar()), f"{classpath}/*"]
+            ),
             JOB_SERVER_MAIN,
             f"--flink-master=127.0.0.1:{ports['rest']}",
             f"--flink-conf-dir={self.conf_dir}",

@@ -130,6 +130,10 @@ def test_job_server_deployment_and_service_agree() -> None:
     dockerfile = (DEPLOYING / "Dockerfile").read_text()
     assert classpath[0] == "/opt/beam/beamflow-loopback-job-server.jar" and classpath[0] in dockerfile
     assert "/opt/flink/lib/0-beamflow-loopback-fn-servers.jar" in dockerfile
+    # The SDF residual fix (apache/beam#27648): ahead of Beam's jars for the job server and the TaskManagers alike.
+    fix = "/opt/flink/lib/0-beamflow-sdf-residuals.jar"
+    assert f"COPY --from=java /out-sdfresiduals.jar {fix}" in dockerfile
+    assert classpath.index(fix) < classpath.index("/opt/beam/job-server/*")
     bind = [a for a in jvm_args if a.startswith("-Dbeamflow.job-server.bind-address=")]
     assert bind == ["-Dbeamflow.job-server.bind-address=$(POD_IP)"], "one named address, never the wildcard"
     env = {e["name"]: e for e in container["env"]}

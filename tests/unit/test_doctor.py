@@ -119,3 +119,19 @@ def test_clicks_pipeline_labels_are_all_stable() -> None:
     labels = pipeline_labels(lambda p: clicks.build_pipeline(p, config))
     assert "ReadClicks" in labels and "WriteSessions" in labels
     assert check_unstable_names(labels) == []
+
+
+def test_a_cluster_without_the_sdf_residual_fix_is_flagged() -> None:
+    from beamflow.doctor import check_flink_classpath
+
+    lib = "/opt/flink/lib/"
+    runner = lib + "beam-runners-flink-1.19-2.62.0.jar"
+    fix = lib + "0-beamflow-sdf-residuals.jar"
+    unpatched = check_flink_classpath([lib + "flink-dist-1.19.3.jar", runner], 4)
+    assert [(f.code, f.severity) for f in unpatched] == [("sdf-residual-state-grows", "warning")]
+    assert "1,843 MB a day at 4 partitions" in unpatched[0].message
+    assert "missing" in unpatched[0].message
+    behind = check_flink_classpath([runner, fix], 4)
+    assert [f.code for f in behind] == ["sdf-residual-state-grows"] and "comes after" in behind[0].message
+    assert check_flink_classpath([fix, runner], 4) == []
+    assert check_flink_classpath([lib + "flink-dist-1.19.3.jar"], 4) == []  # Beam shipped by the job: not seen here

@@ -38,7 +38,6 @@ CASES: dict[str, tuple[list[str], list[str], str]] = {
         ["flink.tolerable_failed_checkpoints=null", "flink.fail_on_checkpointing_errors=false"],
         "warning",
     ),
-    "sdf-residual-state-grows": ([], [BATCH], "info"),
     "iceberg-commit-per-bundle": ([], ["flink.max_bundle_time_ms=10000"], "info"),
     "kafka-auto-commit": (
         ["kafka.consumer_config={enable.auto.commit: 'true'}"],
