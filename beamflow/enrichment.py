@@ -10,8 +10,9 @@ elements to the end of the global window; ``docs`` and the research note have th
   injectable clock;
 - ``BatchedLookups``: collects keys into batches, keeps at most ``max_in_flight`` batches running on a thread pool
   (psycopg releases the GIL during network I/O), retries a failed batch with exponential backoff and jitter while it
-  is transient (a restarted server, a timeout), and hands each caller back its items with their rows. ``drain`` waits
-  for every batch in flight, so a bundle never ends with a lookup outstanding. When the retry budget is spent the
+  is transient (a restarted server, a timeout), and hands each caller back its items with their rows. A key already
+  pending or in flight is not looked up again: its item joins the lookup under way. ``drain`` waits for every batch
+  in flight, so a bundle never ends with a lookup outstanding. When the retry budget is spent the
   error is raised (``StoreUnavailable``): the runner fails and retries the bundle instead of dead-lettering every
   element of an outage.
 """
@@ -21,7 +22,7 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -117,17 +118,14 @@ class LookupCache:
         """The cached row, None for a cached miss, or ``LookupCache.ABSENT`` when not cached (or expired)."""
         with self._lock:
             entry = self._entries.get(key)
-            if entry is None:
-                self.misses += 1
-                return self.ABSENT
-            expires, row = entry
-            if self._clock() >= expires:
-                del self._entries[key]
-                self.misses += 1
-                return self.ABSENT
-            self._entries.move_to_end(key)
-            self.hits += 1
-            return row
+            if entry is not None:
+                if self._clock() < entry[0]:
+                    self._entries.move_to_end(key)
+                    self.hits += 1
+                    return entry[1]
+                del self._entries[key]  # expired
+            self.misses += 1
+            return self.ABSENT
 
     def put(self, key: Hashable, row: Row | None) -> None:
         if self.max_entries == 0:
@@ -158,15 +156,20 @@ class LookupStats:
     retries: int = 0
     cache_hits: int = 0
     missing: int = 0
+    attached: int = 0  # items answered by a batch already in flight for their key
 
 
 class BatchedLookups(Generic[Item]):
     """Looks up the keys of items in batches with bounded concurrency; see the module docstring.
 
     ``add(item, key)`` returns the (item, row) pairs that are ready now (cache hits and finished batches), ``drain()``
-    the rest once every batch in flight has finished. A row is None for a key the store does not have. A batch that
-    keeps failing raises ``StoreUnavailable`` from ``add`` or ``drain``; its items are not returned (the caller's
-    bundle fails and is retried whole).
+    the rest once every batch in flight has finished. A row is None for a key the store does not have. Each key is
+    looked up at most once at a time: an item whose key is pending or in flight waits for that lookup's answer.
+    A batch that keeps failing raises ``StoreUnavailable`` from ``add``, ``ready`` or ``drain``; its items are not
+    returned (the caller's bundle fails and is retried whole).
+
+    ``cached(key)`` and ``submit(item, key)`` are ``add`` in two halves, for a caller that answers cache hits itself
+    (``Enrich`` emits them without building a pair); ``ready()`` returns the items of batches finished so far.
     """
 
     def __init__(
@@ -192,30 +195,54 @@ class BatchedLookups(Generic[Item]):
         self._executor = executor or ThreadPoolExecutor(max_in_flight, thread_name_prefix="beamflow-lookup")
         self._pending: dict[Hashable, list[Item]] = {}
         self._in_flight: dict[Future[dict[Hashable, Row]], dict[Hashable, list[Item]]] = {}
+        # key -> the item list of the batch in flight for it (the same list object as in ``_in_flight``): a later item
+        # with that key is appended there instead of starting a second lookup before the first answer is cached.
+        self._flying: dict[Hashable, list[Item]] = {}
+        # Batches whose lookup has ended, appended by a done-callback: asking every future in flight ``done()`` (a
+        # lock each) on every item was most of a miss's cost.
+        self._finished: deque[Future[dict[Hashable, Row]]] = deque()
+        self._cache_key = handler.cache_key
         self._rng = random.Random(seed)
         self._stats_lock = threading.Lock()
 
     # ---- feeding ----------------------------------------------------------------------------------------------
 
     def add(self, item: Item, key: Hashable) -> list[tuple[Item, Row | None]]:
-        ready: list[tuple[Item, Row | None]] = []
-        if self.cache is not None:
-            cached = self.cache.get(self.handler.cache_key(key))
-            if cached is not LookupCache.ABSENT:
-                self.stats.cache_hits += 1
-                if cached is None:
-                    self.stats.missing += 1
-                ready.append((item, cached))
-                return ready
+        cached = self.cached(key)
+        if cached is not LookupCache.ABSENT:
+            return [(item, cached)]
+        return self.submit(item, key)
+
+    def cached(self, key: Hashable) -> Any:
+        """The cached row of ``key`` (None: cached as missing; counted as a hit), or ``LookupCache.ABSENT``."""
+        if self.cache is None:
+            return LookupCache.ABSENT
+        row = self.cache.get(self._cache_key(key))
+        if row is not LookupCache.ABSENT:
+            self.stats.cache_hits += 1
+            if row is None:
+                self.stats.missing += 1
+        return row
+
+    def submit(self, item: Item, key: Hashable) -> list[tuple[Item, Row | None]]:
+        """Queues ``item`` for ``key``'s lookup (the cache not asked); returns the pairs of batches finished now."""
         waiting = self._pending.get(key)
-        if waiting is None:
-            self._pending[key] = [item]
-        else:
+        if waiting is not None:
             waiting.append(item)
-        if len(self._pending) >= self.max_batch_size:
-            ready.extend(self._submit_pending())
+            return self._harvest(block=False)
+        flying = self._flying.get(key)
+        if flying is not None:
+            flying.append(item)
+            self.stats.attached += 1
+            return self._harvest(block=False)
+        self._pending[key] = [item]
+        ready = self._submit_pending() if len(self._pending) >= self.max_batch_size else []
         ready.extend(self._harvest(block=False))
         return ready
+
+    def ready(self) -> list[tuple[Item, Row | None]]:
+        """The pairs of batches that have finished (without waiting)."""
+        return self._harvest(block=False)
 
     def drain(self) -> list[tuple[Item, Row | None]]:
         """Submits what is pending and waits for every batch in flight."""
@@ -243,23 +270,32 @@ class BatchedLookups(Generic[Item]):
         batch, self._pending = self._pending, {}
         future = self._executor.submit(self._lookup_with_retries, list(batch))
         self._in_flight[future] = batch
+        self._flying.update(batch)
+        future.add_done_callback(self._finished.append)
         return ready
 
     def _harvest(self, block: bool) -> list[tuple[Item, Row | None]]:
-        if not self._in_flight:
+        finished = self._finished
+        if not finished and (not block or not self._in_flight):
             return []
-        if block:
+        done: set[Future[dict[Hashable, Row]]] = set()
+        if block and not finished:
+            # A waiter may wake before the done-callbacks have run: take the futures ``wait`` names as well.
             done, _ = wait(list(self._in_flight), return_when=FIRST_COMPLETED)
-        else:
-            done = {f for f in self._in_flight if f.done()}
+        while finished:
+            done.add(finished.popleft())
         ready: list[tuple[Item, Row | None]] = []
         for future in done:
-            batch = self._in_flight.pop(future)
+            batch = self._in_flight.pop(future, None)
+            if batch is None:  # harvested already (named by ``wait`` before its callback ran)
+                continue
+            for key in batch:  # from here on its keys are answered by the cache (or a new lookup)
+                del self._flying[key]
             rows = future.result()  # StoreUnavailable (or a bug) propagates to the caller's bundle
             for key, items in batch.items():
                 row = rows.get(key)
                 if self.cache is not None:
-                    self.cache.put(self.handler.cache_key(key), row)
+                    self.cache.put(self._cache_key(key), row)
                 if row is None:
                     self.stats.missing += len(items)
                 ready.extend((item, row) for item in items)

@@ -14,7 +14,8 @@ lookup, and an audit step; only the lookup differs:
 - ``Enrich`` over ``PostgresTableLookup``: batches of 500 distinct keys (one ``ANY(%s)`` statement each), 4 batches
   in flight, LRU+TTL cache (off at h = 0).
 
-Prints per hit rate the two rates and their ratio (goal: >= 10x), and the hit rate Enrich's own counters measured;
+Prints per hit rate the two rates and their ratio (goal: >= 10x), and the hit rate Enrich's own counters measured
+(events answered without a lookup of their own: from the cache, or attached to the lookup of their key in flight);
 and the same pipeline joining the rows from memory: the ceiling no lookup can beat, so the highest ratio this machine
 can show is that rate over the baseline's. "+s" columns: the seconds each lookup adds to that in-memory pipeline (what
 the lookup itself costs, Beam's per-element work taken out), and their ratio ("stage ratio"; "> n" where Enrich adds
@@ -163,6 +164,7 @@ def run_pipeline(variant: str, dsn: str, table: str, events: int, rows: int, hit
     }
     if variant == "enrich":
         out["hits"] = _counter(result, METRICS_NAMESPACE, "cache_hits")
+        out["attached"] = _counter(result, METRICS_NAMESPACE, "attached")
         out["batches"] = _counter(result, METRICS_NAMESPACE, "batches")
     return out
 
@@ -230,7 +232,10 @@ def main(argv: list[str] | None = None) -> int:
             "from memory (no lookup: the ceiling of any ratio here). +s: the seconds each lookup adds to it"
         )
         header = f"{'hit rate':>8} {'memory ev/s':>12} {'naive ev/s':>11} {'Enrich ev/s':>12} {'ratio':>7}"
-        print(f"{header} {'measured hits':>14} {'batches':>8} {'naive +s':>9} {'Enrich +s':>10} {'stage ratio':>12}")
+        print(
+            f"{header} {'measured hits':>14} {'attached':>9} {'batches':>8} {'naive +s':>9} {'Enrich +s':>10} "
+            f"{'stage ratio':>12}"
+        )
         ratios = []
         for hit_rate in rates:
             best: dict[str, dict[str, float]] = {}
@@ -244,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
             memory, naive, enrich = best["none"], best["naive"], best["enrich"]
             ratio = enrich["rate"] / naive["rate"]
             ratios.append(ratio)
-            measured = enrich["hits"] / args.events
+            measured = (enrich["hits"] + enrich["attached"]) / args.events
             naive_add, enrich_add = (v["seconds"] - memory["seconds"] for v in (naive, enrich))
             # Within 5% of the in-memory run the lookup's own cost is below what this machine can resolve.
             resolvable = enrich_add > 0.05 * memory["seconds"]
@@ -255,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(
                 f"{hit_rate:8.2f} {memory['rate']:12,.0f} {naive['rate']:11,.0f} {enrich['rate']:12,.0f} {ratio:7.1f} "
-                f"{measured:14.3f} {enrich['batches']:8,.0f} {naive_add:9.2f} {enrich_add:10.2f} {stage}"
+                f"{measured:14.3f} {enrich['attached']:9,.0f} {enrich['batches']:8,.0f} {naive_add:9.2f} "
+                f"{enrich_add:10.2f} {stage}"
             )
         print("engine only (no Beam): BatchedLookups against a bare loop of single-key SELECTs, lookups/s:")
         print(f"{'hit rate':>8} {'naive /s':>11} {'batched /s':>12} {'ratio':>7}")

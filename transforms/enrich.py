@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 import apache_beam as beam
 from apache_beam.metrics import Metrics
 from apache_beam.pvalue import TaggedOutput
+from apache_beam.transforms.window import FixedWindows, GlobalWindows, Sessions
 from apache_beam.utils.windowed_value import WindowedValue
 
 from beamflow.deadletter import DeadLetter, encode_payload
@@ -36,15 +37,19 @@ def join_columns(element: Any, row: Mapping[str, Any] | None, columns: tuple[str
     return out
 
 
-class _Timed(NamedTuple):
-    element: Any
-    key: Hashable
-    timestamp: Any
-    windows: Any
-    pane: Any
+# Windowing functions that give every element exactly one window. Under any other (sliding windows, custom ones)
+# Enrich asks Beam for the window too, which makes Beam call ``process`` once per window of an element.
+_ONE_WINDOW_FNS = (GlobalWindows, FixedWindows, Sessions)
 
 
 class _EnrichFn(beam.DoFn):
+    """The lookup step. Its per-element cost is most of Enrich's, so it asks Beam for as little as it can: only the
+    ``WindowedValue`` of each element (Beam's cheapest windowed parameter: no per-window argument rebuilding), not
+    the timestamp, window and pane apart. A cache hit is yielded as a plain value (Beam gives it the element's own
+    timestamp, window and pane); only an answer that arrives after its element's ``process`` call has returned is
+    emitted as an explicit ``WindowedValue``: the element's own, with the joined value.
+    """
+
     def __init__(
         self,
         handler: LookupHandler,
@@ -70,7 +75,7 @@ class _EnrichFn(beam.DoFn):
         self._missing_ttl_s = missing_ttl_s
         self._retry = retry
         self._stage = stage
-        self._lookups: BatchedLookups[_Timed] | None = None
+        self._lookups: BatchedLookups[WindowedValue] | None = None
 
     def setup(self) -> None:
         self._handler.__enter__()
@@ -82,77 +87,137 @@ class _EnrichFn(beam.DoFn):
             cache=cache,
             retry=self._retry,
         )
-        self._enriched = Metrics.counter(METRICS_NAMESPACE, "enriched")
-        self._missing = Metrics.counter(METRICS_NAMESPACE, "missing_keys")
-        self._dead = Metrics.counter(METRICS_NAMESPACE, "dead_letters")
-        self._hits = Metrics.counter(METRICS_NAMESPACE, "cache_hits")
-        self._batches = Metrics.counter(METRICS_NAMESPACE, "batches")
-        self._retries = Metrics.counter(METRICS_NAMESPACE, "retries")
-        self._reported = (0, 0, 0)
+        # In the order of ``_counts``.
+        names = ("cache_hits", "attached", "batches", "retries", "enriched", "missing_keys", "dead_letters")
+        self._counters = [Metrics.counter(METRICS_NAMESPACE, name) for name in names]
+        # Counted in plain ints and reported once per bundle: a Beam counter's inc per element costs as much as a
+        # cache hit's whole lookup.
+        self._enriched = self._missing = self._dead = 0
+        self._reported = self._counts()
+        # Answers finished while an element with several windows was current, emitted at the next one-window element
+        # or at the bundle's end (see ``_later``).
+        self._held: list[Any] = []
+
+    def start_bundle(self) -> None:
+        self._held = []
+        # Counts of a failed attempt are not this bundle's (the runner drops its committed metrics too).
+        self._reported = self._counts()
 
     def teardown(self) -> None:
         if self._lookups is not None:
             self._lookups.close()
         self._handler.__exit__(None, None, None)
 
-    def process(
-        self,
-        element: Any,
-        timestamp: Any = beam.DoFn.TimestampParam,
-        window: Any = beam.DoFn.WindowParam,
-        pane: Any = beam.DoFn.PaneInfoParam,
-    ) -> Iterator[Any]:
-        assert self._lookups is not None
+    def process(self, element: Any, wv: Any = beam.DoFn.WindowedValueParam) -> Iterator[Any]:
+        lookups = self._lookups
+        assert lookups is not None
+        if self._held and len(wv.windows) == 1:
+            yield from self._held
+            self._held = []
         try:
             key = self._key_of(element)
             problem = "key is None"
         except (KeyError, TypeError, AttributeError, IndexError) as exc:
             key, problem = None, f"{type(exc).__name__}: {exc}"
         if key is None:
-            yield self._dead_letter(_Timed(element, None, timestamp, (window,), pane), f"no lookup key ({problem})")
+            yield self._dead_letter(element, f"no lookup key ({problem})")
             return
-        yield from self._emit(self._lookups.add(_Timed(element, key, timestamp, (window,), pane), key))
+        row = lookups.cached(key)
+        if row is LookupCache.ABSENT:
+            ready = lookups.submit(wv, key)
+        else:
+            # Answered now: a plain value, which Beam stamps with this element's timestamp, windows and pane.
+            if row is not None or self._on_missing == "pass":
+                self._enriched += 1
+                yield self._join(element, row) if self._join is not None else join_columns(element, row, self._columns)
+            else:
+                self._missing += 1
+                yield self._dead_letter(element, f"no {self._stage} row for key {key!r}", "MissingKey")
+            if not lookups.in_flight:
+                return
+            ready = lookups.ready()
+        if ready:
+            yield from self._later(ready, wv)
 
     def finish_bundle(self) -> Iterator[Any]:
         # Every lookup in flight finishes before the bundle ends: nothing the runner has not seen outlives it.
         assert self._lookups is not None
+        yield from self._held
+        self._held = []
         yield from self._emit(self._lookups.drain())
         self._report()
 
-    def _emit(self, ready: list[tuple[_Timed, Mapping[str, Any] | None]]) -> Iterator[Any]:
-        for item, row in ready:
+    def _later(self, ready: list[tuple[WindowedValue, Mapping[str, Any] | None]], current: WindowedValue) -> Any:
+        """Answers for earlier elements, each as its element's own ``WindowedValue``.
+
+        Beam multiplies the windows of a ``WindowedValue`` yielded while the current element has n != 1 windows by n
+        (it assumes the value came from that element): such answers are held until a one-window element or the
+        bundle's end. Only an input whose windowing function is not one of ``_ONE_WINDOW_FNS`` can get here, and
+        ``Enrich`` makes Beam split those elements per window (``_PerWindowEnrichFn``).
+        """
+        if len(current.windows) == 1:
+            return self._emit(ready)
+        self._held.extend(self._emit(ready))
+        return ()
+
+    def _emit(self, ready: list[tuple[WindowedValue, Mapping[str, Any] | None]]) -> Iterator[Any]:
+        for wv, row in ready:
+            element = wv.value
             if row is None:
-                self._missing.inc()
+                self._missing += 1
                 if self._on_missing == "dead_letter":
-                    yield self._dead_letter(item, f"no {self._stage} row for key {item.key!r}", "MissingKey")
+                    reason = f"no {self._stage} row for key {self._key_of(element)!r}"
+                    yield TaggedOutput(_DEAD, wv.with_value(self._dead_letter_of(element, reason, "MissingKey")))
                     continue
-            self._enriched.inc()
-            value = self._join(item.element, row) if self._join is not None else self._default_join(item, row)
-            # Each element leaves with its own timestamp, window and pane (Beam 2.62's batched Enrichment did not).
-            yield WindowedValue(value, item.timestamp, item.windows, item.pane)
+            self._enriched += 1
+            value = self._join(element, row) if self._join is not None else join_columns(element, row, self._columns)
+            # The element's own timestamp, windows and pane (Beam 2.62's batched Enrichment re-stamped them).
+            yield wv.with_value(value)
 
-    def _default_join(self, item: _Timed, row: Mapping[str, Any] | None) -> Any:
-        return join_columns(item.element, row, self._handler.columns)
+    @property
+    def _columns(self) -> tuple[str, ...]:
+        return self._handler.columns
 
-    def _dead_letter(self, item: _Timed, reason: str, error: str = "NoKey") -> TaggedOutput:
-        self._dead.inc()
-        element = item.element
+    def _dead_letter(self, element: Any, reason: str, error: str = "NoKey") -> TaggedOutput:
+        return TaggedOutput(_DEAD, self._dead_letter_of(element, reason, error))
+
+    def _dead_letter_of(self, element: Any, reason: str, error: str) -> DeadLetter:
+        self._dead += 1
         kafka = element.get("_kafka") if isinstance(element, Mapping) else None
         coordinates: dict[str, Any] = {}
         if isinstance(kafka, Mapping):
             coordinates = {k: kafka.get(k) for k in ("topic", "partition", "offset")}
-        dead = DeadLetter(encode_payload(element), f"enrich:{self._stage}", reason, error=error, **coordinates)
-        return TaggedOutput(_DEAD, WindowedValue(dead, item.timestamp, item.windows, item.pane))
+        return DeadLetter(encode_payload(element), f"enrich:{self._stage}", reason, error=error, **coordinates)
 
     def _report(self) -> None:
+        now = self._counts()
+        for counter, n, before in zip(self._counters, now, self._reported, strict=True):
+            if n != before:
+                counter.inc(n - before)
+        self._reported = now
+
+    def _counts(self) -> list[int]:
         assert self._lookups is not None
         stats = self._lookups.stats
-        now = (stats.cache_hits, stats.batches, stats.retries)
-        before = self._reported
-        self._hits.inc(now[0] - before[0])
-        self._batches.inc(now[1] - before[1])
-        self._retries.inc(now[2] - before[2])
-        self._reported = now
+        return [
+            stats.cache_hits,
+            stats.attached,
+            stats.batches,
+            stats.retries,
+            self._enriched,
+            self._missing,
+            self._dead,
+        ]
+
+
+class _PerWindowEnrichFn(_EnrichFn):
+    """``_EnrichFn`` for inputs whose elements may have several windows: asking for the window makes Beam call
+    ``process`` once per window, so each answer leaves in exactly one window, never held back."""
+
+    def process(
+        self, element: Any, wv: Any = beam.DoFn.WindowedValueParam, window: Any = beam.DoFn.WindowParam
+    ) -> Iterator[Any]:
+        return super().process(element, wv)
 
 
 class _Field:
@@ -191,8 +256,11 @@ class Enrich(beam.PTransform):
 
     Lookups are batched (one statement per batch of distinct keys, ``max_batch_size``), at most ``max_in_flight``
     batches run at once on a thread pool per worker, answers are cached per worker (LRU ``cache_size`` entries,
-    ``cache_ttl_s`` for rows, ``missing_ttl_s`` for unknown keys; ``cache_size=0`` disables it). Output order is
-    not input order (Flink's unordered async wait); every element keeps its timestamp, window and pane.
+    ``cache_ttl_s`` for rows, ``missing_ttl_s`` for unknown keys; ``cache_size=0`` disables it). A key is looked up
+    once at a time: elements whose key is already pending or in flight wait for that lookup's answer. Output order
+    is not input order (Flink's unordered async wait: a cache hit leaves at once, a miss when its batch returns);
+    every element keeps its timestamp, window(s) and pane (under windowing that gives an element several windows,
+    one output per window, with the pane Beam gives each window's call).
 
     Guarantee: every element comes out exactly once per bundle attempt, enriched or (unknown key under
     ``on_missing='dead_letter'``, or no key) as a dead letter; every lookup in flight finishes before its bundle
@@ -231,7 +299,7 @@ class Enrich(beam.PTransform):
             raise ValueError(f"on_missing must be one of {', '.join(MISSING_POLICIES)}, not {on_missing!r}")
         key_of = key_fn if key_fn is not None else _Field(str(key_field))
         stage = str(getattr(handler, "name", type(handler).__name__))
-        self._fn = _EnrichFn(
+        self._fn_args = (
             handler,
             key_of,
             join_fn,
@@ -246,5 +314,7 @@ class Enrich(beam.PTransform):
         )
 
     def expand(self, elements: beam.PCollection) -> EnrichResult:
-        out = elements | "Lookup" >> beam.ParDo(self._fn).with_outputs(_DEAD, main=_ENRICHED)
+        one_window = isinstance(elements.windowing.windowfn, _ONE_WINDOW_FNS)
+        fn = (_EnrichFn if one_window else _PerWindowEnrichFn)(*self._fn_args)
+        out = elements | "Lookup" >> beam.ParDo(fn).with_outputs(_DEAD, main=_ENRICHED)
         return EnrichResult(out[_ENRICHED], out[_DEAD])
