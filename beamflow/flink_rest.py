@@ -77,6 +77,12 @@ class FlinkRest:
     def taskmanagers(self) -> list[dict[str, Any]]:
         return list(self._request("GET", "/taskmanagers").get("taskmanagers", []))
 
+    def taskmanager_metrics(self, taskmanager_id: str, names: list[str]) -> dict[str, float]:
+        """Current values of the TaskManager's metrics ``names`` (e.g. ``Status.JVM.Memory.Heap.Used``); a metric the
+        TaskManager does not report is absent from the answer."""
+        rows = self._request("GET", f"/taskmanagers/{taskmanager_id}/metrics?get={','.join(names)}")
+        return {row["id"]: float(row["value"]) for row in rows or [] if row.get("value") not in (None, "")}
+
     def jobmanager_classpath(self) -> list[str]:
         """The JobManager JVM's classpath, in load order (``/jobmanager/environment``, Flink 1.17+)."""
         return list(self._request("GET", "/jobmanager/environment").get("classpath") or [])

@@ -14,7 +14,8 @@ events, an idle partition, schema v2 from the middle, bad records of every kind)
   (two TaskManagers, Python SDK workers beside them: PROCESS environment), with ``conf/flink.yaml``'s shipped
   settings except the parallelism, one after the other on the same cluster. The backlog is in Kafka before the
   submission; live traffic (fresh events, same kinds of trouble, event time = now) is produced at ``--live-rate`` from
-  a thread from the submission until ``--steady-s`` after the catch-up.
+  a thread from the submission until ``--steady-s`` after the job keeps up with it (the lag back within two
+  checkpoint intervals of live records, once the backlog and the live records produced meanwhile are through).
 
 Figures: time to catch up (job RUNNING -> every backlog record is in its sink and the group's committed offsets reached
 the backlog's end offsets), records/s consumed (committed offsets sampled every second: over the whole catch-up, and
@@ -603,6 +604,20 @@ def run_streaming(
         cpu_caught = cpu_by_role(roots)
         caught_wall = time.time()
         out["cpu_s"] = {k: round(cpu_caught.get(k, 0) - cpu_start.get(k, 0), 1) for k in cpu_caught}
+        # The live traffic produced during the catch-up is still ahead of the job: the steady state starts once the
+        # lag is down to what the live rate leaves between two commits of the group's offsets (they move once per
+        # checkpoint, so up to two intervals of live records), not at the backlog's end.
+        keeping_up = args.live_rate * 2 * config["flink"]["checkpointing_interval_ms"] / 1000
+        out["live_caught_up_s"] = None
+        while out["live_caught_up_s"] is None:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{label}: lag never fell to {keeping_up:,.0f} ({sampler.offsets[-1:]})")
+            if rest.job_state(job_id) != "RUNNING":
+                raise RuntimeError(f"{label}: job {job_id} is {rest.job_state(job_id)}")
+            at, committed, end = sampler.offsets[-1]
+            if end - committed <= keeping_up:
+                out["live_caught_up_s"] = at
+            time.sleep(1)
         time.sleep(args.steady_s)
         live.stop()
         if live.error:
@@ -654,8 +669,9 @@ def run_streaming(
         caught_wall=caught_wall,
     )
     # Latency from produce to visible, live events only: all of them (Iceberg), the sampled ones (sessions); those
-    # produced after the catch-up are the steady state.
-    caught_abs_ms = (running_at + caught) * 1000
+    # produced once the job kept up with live traffic (after the backlog and the live records that piled up meanwhile)
+    # are the steady state.
+    caught_abs_ms = (running_at + max(caught, out["live_caught_up_s"] or caught)) * 1000
     ice_all, ice_steady, ice_missing = [], [], 0
     for r, sent in zip(live.records, live.sent_ms, strict=True):
         if r.kind != "event":
@@ -776,7 +792,8 @@ def report(figures: dict[str, Any]) -> list[str]:
             f"{v['catch_up_s']:.1f}s after RUNNING ({v['backlog_records']:,} backlog records; committed offsets "
             f"{v['catch_up_parts']['committed_offsets_s']:.1f}s, last backlog event in Iceberg "
             f"{v['catch_up_parts']['iceberg_last_backlog_event_s']:.1f}s, PostgreSQL sinks "
-            f"{v['catch_up_parts']['postgres_sinks_s']:.1f}s)\n"
+            f"{v['catch_up_parts']['postgres_sinks_s']:.1f}s); kept up with live traffic (lag within two "
+            f"intervals of it) {v['live_caught_up_s']:.1f}s after RUNNING\n"
             f"  records/s: sustained (10%->90% of the backlog committed) "
             + (f"{v['sustained']:,.0f}" if v["sustained"] else "?")
             + f", over the whole catch-up {v['rate_over_catch_up']:,.0f} (consumed incl. live), backlog/catch-up "
@@ -785,10 +802,10 @@ def report(figures: dict[str, Any]) -> list[str]:
             f"{statistics.median(durations) if durations else 0:.1f} max {max(durations, default=0):.1f} (interval "
             f"{interval_s:.0f}s); restarts/exceptions {v['exceptions']}\n"
             f"  latency produce -> Iceberg (all live events) p50 {lat['iceberg_all']['p50']} p99 "
-            f"{lat['iceberg_all']['p99']} s; after catch-up p50 {lat['iceberg_steady']['p50']} p99 "
+            f"{lat['iceberg_all']['p99']} s; keeping up p50 {lat['iceberg_steady']['p50']} p99 "
             f"{lat['iceberg_steady']['p99']} s (n={lat['iceberg_steady']['n']}); not found {lat['iceberg_not_found']}\n"
             f"  latency produce -> sessions (1 in {SAMPLE_EVERY}, polled ~2 s) p50 {lat['sessions_all']['p50']} p99 "
-            f"{lat['sessions_all']['p99']} s; after catch-up p50 {lat['sessions_steady']['p50']} p99 "
+            f"{lat['sessions_all']['p99']} s; keeping up p50 {lat['sessions_steady']['p50']} p99 "
             f"{lat['sessions_steady']['p99']} s (n={lat['sessions_steady']['n']}); "
             f"not found {lat['sessions_not_found']}"
             f"\n  CPU s during the catch-up: {v['cpu_s']}"
@@ -848,7 +865,7 @@ def report(figures: dict[str, Any]) -> list[str]:
     )
     lines.append(
         _goal_line(
-            "produce->Iceberg p99 after catch-up / (2 x interval)",
+            "produce->Iceberg p99 keeping up / (2 x interval)",
             ratios.get("iceberg_p99_over_2x_interval"),
             1.0,
             False,

@@ -23,6 +23,14 @@ from pathlib import Path
 from typing import Any
 
 GOAL_GROWTH = 0.10
+# Where a TaskManager's resident memory goes, summed over the TaskManagers (Flink's JVM metrics): the heap in use
+# (sawtooth between collections), its committed size (what the JVM took from the OS), and RocksDB's managed memory.
+JVM_METRICS = {
+    "Status.JVM.Memory.Heap.Used": "tm_heap_used_mb",
+    "Status.JVM.Memory.Heap.Committed": "tm_heap_committed_mb",
+    "Status.JVM.Memory.NonHeap.Used": "tm_nonheap_used_mb",
+    "Status.Flink.Memory.Managed.Used": "tm_managed_used_mb",
+}
 SERIES = ("taskmanager_rss_mb", "python_workers_rss_mb", "checkpoint_state_mb", "checkpoint_incremental_mb")
 
 
@@ -44,9 +52,17 @@ def sample(rest: Any, job_id: str, flink: Any, job_name: str, config: dict[str, 
         lag = sum(kafka_lag(config).values())
     except Exception:
         lag = -1
+    jvm: dict[str, float] = {}
+    for tm in rest.taskmanagers():
+        try:
+            for name, value in rest.taskmanager_metrics(tm["id"], list(JVM_METRICS)).items():
+                jvm[name] = jvm.get(name, 0.0) + value
+        except Exception:  # a missed sample is fine
+            pass
     return {
         "t_s": round(time.monotonic() - t0),
         "taskmanager_rss_mb": round(sum(rss_mb(p) for p in taskmanagers), 1),
+        **{key: round(jvm[name] / 2**20, 1) if name in jvm else None for name, key in JVM_METRICS.items()},
         "python_workers": len(workers),
         "python_workers_rss_mb": round(sum(rss_mb(p) for p in workers), 1),
         "checkpoint_id": latest.get("id"),
@@ -65,13 +81,19 @@ def growth(samples: list[dict[str, Any]], key: str, from_s: float) -> float | No
 
 
 def report(samples: list[dict[str, Any]], from_s: float) -> list[str]:
-    header = f"{'t (s)':>6} {'TM RSS MB':>10} {'workers':>7} {'worker RSS MB':>13} {'ckpt':>5} {'state MB':>9} " + (
-        f"{'incr MB':>8} {'lag':>6}"
+    header = f"{'t (s)':>6} {'TM RSS MB':>10} {'heap used':>9} {'heap comm':>9} {'non-heap':>8} {'managed':>7} " + (
+        f"{'workers':>7} {'worker RSS MB':>13} {'ckpt':>5} {'state MB':>9} {'incr MB':>8} {'lag':>6}"
     )
     lines = [header]
+
+    def mb(value: float | None, width: int) -> str:
+        return f"{value:>{width}.1f}" if value is not None else f"{'-':>{width}}"
+
     for s in samples:
         lines.append(
-            f"{s['t_s']:>6} {s['taskmanager_rss_mb']:>10.1f} {s['python_workers']:>7} "
+            f"{s['t_s']:>6} {s['taskmanager_rss_mb']:>10.1f} {mb(s.get('tm_heap_used_mb'), 9)} "
+            f"{mb(s.get('tm_heap_committed_mb'), 9)} {mb(s.get('tm_nonheap_used_mb'), 8)} "
+            f"{mb(s.get('tm_managed_used_mb'), 7)} {s['python_workers']:>7} "
             f"{s['python_workers_rss_mb']:>13.1f} {s['checkpoint_id'] or '-':>5} {s['checkpoint_state_mb']:>9.3f} "
             f"{s['checkpoint_incremental_mb']:>8.3f} {s['lag']:>6}"
         )
@@ -80,6 +102,10 @@ def report(samples: list[dict[str, Any]], from_s: float) -> list[str]:
         value = growth(samples, key, from_s)
         verdict = "n/a" if value is None else f"{value:+.1%} ({'met' if value < GOAL_GROWTH else 'MISSED'})"
         lines.append(f"  {key:28} {verdict}")
+    lines.append("where the TaskManagers' memory went over the same stretch (no goal; heap used is a sawtooth):")
+    for key in ("tm_heap_committed_mb", "tm_nonheap_used_mb", "tm_managed_used_mb"):
+        value = growth(samples, key, from_s) if all(s.get(key) is not None for s in samples) else None
+        lines.append(f"  {key:28} {'n/a' if value is None else f'{value:+.1%}'}")
     return lines
 
 

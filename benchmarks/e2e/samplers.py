@@ -87,8 +87,8 @@ class JvmSampler(threading.Thread):
             self.peak_rss_mb = max(self.peak_rss_mb, rss or 0.0)
             try:
                 tm_id = tm_id or rest.taskmanagers()[0]["id"]
-                rows = rest._request("GET", f"/taskmanagers/{tm_id}/metrics?get=Status.JVM.Memory.Heap.Used")
-                self.peak_heap_mb = max(self.peak_heap_mb, float(rows[0]["value"]) / 2**20)
+                heap = rest.taskmanager_metrics(tm_id, ["Status.JVM.Memory.Heap.Used"])["Status.JVM.Memory.Heap.Used"]
+                self.peak_heap_mb = max(self.peak_heap_mb, heap / 2**20)
             except Exception:  # a missed sample is fine
                 pass
             self._halt.wait(self.every_s)
