@@ -571,6 +571,7 @@ def run_streaming(
     from tests.flink.test_streaming_backlog import overlapping_sessions, session_events
 
     config = _variant_config(f"fs{label}", states, parallelism)
+    config["flink"].update(args.flink_overrides)
     config["postgres"]["first_copies_table"] = f"first_copies_{config['job']['name']}"
     backlog_end = _produce_backlog(config, backlog)
     rest = FlinkRest(config["flink"]["rest_url"])
@@ -777,6 +778,8 @@ def report(figures: dict[str, Any]) -> list[str]:
     lines: list[str] = []
     direct = figures.get("direct")
     interval_s = figures["interval_ms"] / 1000
+    if figures.get("flink_overrides"):
+        lines.append(f"flink: settings changed from conf/flink.yaml for this run: {figures['flink_overrides']}")
     if direct:
         lines.append(
             f"direct (pinned local runner, bounded): {direct['records']:,} records in {direct['seconds']:.1f}s "
@@ -914,6 +917,19 @@ def plot(figures: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
+def _flink_overrides(pairs: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs as flink: settings, each value read as YAML (``3000`` is an int, ``true`` a bool)."""
+    import yaml
+
+    overrides: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--flink-set takes KEY=VALUE, not {pair!r}")
+        overrides[key.removeprefix("flink.")] = yaml.safe_load(value)
+    return overrides
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--events", type=int, default=200_000, help="backlog events (plus duplicates and bad records)")
@@ -922,9 +938,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steady-s", type=float, default=60, help="live traffic goes on this long after catch-up")
     parser.add_argument("--timeout", type=float, default=2400, help="seconds a variant may take to catch up")
     parser.add_argument("--no-direct", action="store_true", help="skip the DirectRunner baseline")
+    parser.add_argument(
+        "--flink-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one flink: setting of the streaming variants (e.g. max_bundle_size=3000); repeatable",
+    )
     parser.add_argument("--json", help="write every figure here")
     parser.add_argument("--plot", help="write the PNG here")
     args = parser.parse_args(argv)
+    args.flink_overrides = _flink_overrides(args.flink_set)
 
     from beamflow.config import load_config
     from beamflow.generate import TrafficSpec, avro_click_encoder, generate_traffic
@@ -952,6 +976,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_at_start": os.getloadavg(),
         "interval_ms": int(shipped["checkpointing_interval_ms"]),
         "shipped_flink": {k: v for k, v in shipped.items() if k not in LOCAL_KEYS},
+        "flink_overrides": args.flink_overrides,
         "streaming": [],
     }
     problems: dict[str, list[str]] = {}
