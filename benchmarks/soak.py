@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             samples.append(sample(rest, job_id, states["flink"], config["flink"]["job_name"], config, t0))
             next_at += args.sample_s
             last = next_at > end + 1
-            if (last or samples[-1]["t_s"] >= args.from_minute * 60) and len(savepoints) < 2:
+            if (not savepoints and samples[-1]["t_s"] >= args.from_minute * 60) or last:
                 savepoints.append((samples[-1]["t_s"], savepoint_mb(rest, job_id, workdir / "savepoints")))
                 samples[-1]["savepoint_mb"] = savepoints[-1][1]
             print(json.dumps(samples[-1]), flush=True)
@@ -172,8 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         rest.cancel(job_id)
     counts = rest.checkpoints(job_id).get("counts", {})
     lines = report(samples, args.from_minute * 60)
-    if len(savepoints) == 2:
-        (t1, mb1), (t2, mb2) = savepoints
+    if len(savepoints) >= 2:
+        (t1, mb1), (t2, mb2) = savepoints[0], savepoints[-1]
         change = (mb2 - mb1) / mb1 if mb1 else float("nan")
         lines.append(
             f"live state (savepoint, canonical format) at {t1} s {mb1:.3f} MB, at {t2} s {mb2:.3f} MB: {change:+.1%} "
