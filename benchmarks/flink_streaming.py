@@ -675,7 +675,7 @@ def run_streaming(
     # Latency from produce to visible, live events only: all of them (Iceberg), the sampled ones (sessions); those
     # produced once the job kept up with live traffic (after the backlog and the live records that piled up meanwhile)
     # are the steady state.
-    caught_abs_ms = (running_at + max(caught, out["live_caught_up_s"] or caught)) * 1000
+    caught_abs_ms = (running_at + max(caught, out["live_caught_up_s"])) * 1000
     ice_all, ice_steady, ice_missing = [], [], 0
     for r, sent in zip(live.records, live.sent_ms, strict=True):
         if r.kind != "event":
@@ -977,7 +977,7 @@ def main(argv: list[str] | None = None) -> int:
         "backlog_records": len(backlog.records),
         "nproc": os.cpu_count(),
         "load_at_start": os.getloadavg(),
-        "interval_ms": int(shipped["checkpointing_interval_ms"]),
+        "interval_ms": int(args.flink_overrides.get("checkpointing_interval_ms", shipped["checkpointing_interval_ms"])),
         "shipped_flink": {k: v for k, v in shipped.items() if k not in LOCAL_KEYS},
         "flink_overrides": args.flink_overrides,
         "streaming": [],
