@@ -468,8 +468,9 @@ def run_direct(states: dict[str, Any], traffic: Any, workdir: Path) -> dict[str,
     return result
 
 
-def _submit(config: dict[str, Any], workdir: Path) -> tuple[str, float]:
-    """``python -m pipelines.clicks --runner=FlinkRunner`` (detached); returns the job id and the RUNNING time."""
+def _submit(config: dict[str, Any], workdir: Path, module: str = "pipelines.clicks") -> tuple[str, float]:
+    """``python -m pipelines.clicks --runner=FlinkRunner`` (detached; or ``module``, a variant run the same way);
+    returns the job id and the RUNNING time."""
     import yaml
 
     from beamflow.flink_rest import TERMINAL_STATES, FlinkRest
@@ -482,7 +483,7 @@ def _submit(config: dict[str, Any], workdir: Path) -> tuple[str, float]:
     log = workdir / f"{name}.log"
     with open(log, "wb") as out:
         proc = subprocess.run(
-            [sys.executable, "-m", "pipelines.clicks", "--runner=FlinkRunner", f"--conf={conf}"],
+            [sys.executable, "-m", module, "--runner=FlinkRunner", f"--conf={conf}"],
             cwd=project_root(),
             stdout=out,
             stderr=subprocess.STDOUT,

@@ -128,6 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint-ms", type=int, default=10_000)
     parser.add_argument("--from-minute", type=float, default=2.0, help="growth is measured from this minute on")
     parser.add_argument("--json", help="write the samples here")
+    parser.add_argument(
+        "--probe",
+        action="store_true",
+        help="run benchmarks.soak_probe (tracemalloc and object counts in each Python worker, /tmp/beamflow-probe)",
+    )
     args = parser.parse_args(argv)
 
     from beamflow.flink_rest import FlinkRest
@@ -142,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     create_topic(kafka["bootstrap"], kafka["topic"], int(kafka["partitions"]))
     workdir = Path(config["iceberg"]["catalog"]["warehouse"].removeprefix("file://")).parent / "soak"
     workdir.mkdir(parents=True, exist_ok=True)
-    job_id, _ = _submit(config, workdir)
+    job_id, _ = _submit(config, workdir, "benchmarks.soak_probe" if args.probe else "pipelines.clicks")
     rest = FlinkRest(config["flink"]["rest_url"])
     live = LiveProducer(config, args.rate, {p: 0 for p in range(int(kafka["partitions"]))}, seed=77)
     live.start()

@@ -5,12 +5,12 @@ Beam's portable Flink runner finalizes every bundle finished so far when a check
 bundles that ran after that checkpoint's barrier, whose records are still on their way to the sinks: this variant
 therefore commits offsets the sinks do not hold yet, which the drills' holdings check must catch.
 
-Its Iceberg sink also holds each commit for ``SINK_DELAY_S`` (``SlowIcebergCommitFn``). Without that, on a quiet
-machine the records read after a barrier reach the sinks within a fraction of a second of the early commit, and a
-sampler sees the commit ahead only by luck (13 of 248 samples ahead in one loaded run, none in a quiet CI-shaped run).
-The delay stands for a slow sink (a loaded machine, a slow catalog), which is when the early commit loses data on a
-crash; it makes the window the broken read opens as long as the delay, whatever the machine's load. The holdings
-check itself is unchanged.
+Its Iceberg sink also holds each commit for ``SINK_DELAY_S``. Without that, on a quiet machine the records read after
+a barrier reach the sinks within a fraction of a second of the early commit, and a sampler sees the commit ahead only
+by luck (13 of 248 samples ahead in one loaded run, none in a quiet CI-shaped run). The delay stands for a slow sink (a
+loaded machine, a slow catalog), which is when the early commit loses data on a crash; it makes the window the broken
+read opens as long as the delay, whatever the machine's load. The holdings check itself is unchanged, and
+``tests.flink.slow_sink_clicks`` (the same slow sink, the correct read) is the control it must pass.
 
 Run exactly like ``python -m pipelines.clicks``: ``python -m tests.flink.broken_clicks --runner=FlinkRunner ...``.
 The broken DoFn lives in this importable module (the project root is on the Python workers' path), so it travels to
@@ -20,16 +20,13 @@ the TaskManagers' workers by reference; nothing in ``transforms`` or ``conf`` ca
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Sequence
-from typing import Any
 
 from beamflow.kafka.record import TopicPartition
-from transforms import read_from_kafka, write_to_iceberg
+from tests.flink.slow_sink_clicks import use_slow_sink
+from transforms import read_from_kafka
 
-__all__ = ["SINK_DELAY_S", "CommitOnFinalizeReadFn", "SlowIcebergCommitFn", "main"]
-
-SINK_DELAY_S = 2.0
+__all__ = ["CommitOnFinalizeReadFn", "main"]
 
 
 class CommitOnFinalizeReadFn(read_from_kafka._UnboundedReadPartitionFn):
@@ -39,22 +36,12 @@ class CommitOnFinalizeReadFn(read_from_kafka._UnboundedReadPartitionFn):
         self._commit(tp, next_offset)
 
 
-class SlowIcebergCommitFn(write_to_iceberg._CommitPerBundle):
-    """The streaming Iceberg sink, holding each commit for ``SINK_DELAY_S`` first (a slow sink)."""
-
-    def flush(self) -> list[Any]:
-        if self._staged:
-            time.sleep(SINK_DELAY_S)
-        return super().flush()
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     from pipelines.clicks import main as clicks_main
 
-    # ReadFromKafka.expand and WriteToIceberg.expand look their DoFn classes up in their modules when the pipeline is
-    # built.
+    # ReadFromKafka.expand looks its DoFn class up in its module when the pipeline is built.
     read_from_kafka._UnboundedReadPartitionFn = CommitOnFinalizeReadFn  # type: ignore[misc]
-    write_to_iceberg._CommitPerBundle = SlowIcebergCommitFn  # type: ignore[misc]
+    use_slow_sink()
     return clicks_main(argv)
 
 

@@ -346,41 +346,58 @@ def _signal_group(pid: int, sig: signal.Signals) -> None:
     os.killpg(os.getpgid(pid), sig)
 
 
+def _sampled_variant(
+    name: str, services: DrillServices, tmp_path_factory: pytest.TempPathFactory, seed: int, module: str
+) -> tuple[Drill, DrillJob]:
+    """A variant of the clicks job at parallelism 1 (two of them fit the slots the parallelism-2 job leaves), its
+    traffic flowing steadily (a commit runs ahead only while records are in flight), sampled every 0.5 s."""
+    variant = _new_drill(name, services, tmp_path_factory, seed=seed)
+    variant.config["flink"]["parallelism"] = 1
+    variant.feeder = TrafficFeeder(variant.config, variant.traffic.records, chunks=120, pause_s=0.5)
+    variant.sampler = OffsetSampler(variant.config, interval_s=0.5)
+    return variant, DrillJob(variant.config, variant.work, name, module=module)
+
+
 @pytest.fixture(scope="module")
 def fault_drill(
     drill_services: DrillServices, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[DrillResult, DrillResult]]:
+) -> Iterator[tuple[DrillResult, DrillResult, DrillResult]]:
     """One job through three faults in sequence (a Python SDK worker SIGKILLed mid-bundle, the broker SIGSTOPped
-    for 30 s, PostgreSQL restarted), and beside it the broken variant (``tests.flink.broken_clicks``) through the same
-    faults, sampled twice as often: its holdings check must fail."""
+    for 30 s, PostgreSQL restarted), and beside it two variants through the same faults, sampled six times as often:
+    the broken one (``tests.flink.broken_clicks``: early commits, slow sink), whose holdings check must fail, and its
+    control (``tests.flink.slow_sink_clicks``: the same slow sink, the correct read), whose check must pass."""
     drill = _new_drill("faults", drill_services, tmp_path_factory, seed=23)
-    broken = _new_drill("broken", drill_services, tmp_path_factory, seed=24)
-    # The broken variant's traffic flows steadily (a commit runs ahead only while records are in flight).
-    broken.feeder = TrafficFeeder(broken.config, broken.traffic.records, chunks=120, pause_s=0.5)
-    broken.sampler = OffsetSampler(broken.config, interval_s=0.5)
+    broken, broken_job = _sampled_variant("broken", drill_services, tmp_path_factory, 24, "tests.flink.broken_clicks")
+    control, control_job = _sampled_variant(
+        "control", drill_services, tmp_path_factory, 25, "tests.flink.slow_sink_clicks"
+    )
     config, work, feeder, timings, notes = drill.config, drill.work, drill.feeder, drill.timings, drill.notes
     flink_service = drill_services.flink_service
     main = DrillJob(config, work, "main")
-    broken_job = DrillJob(broken.config, broken.work, "broken", module="tests.flink.broken_clicks")
     kafka_pid = drill_services.service_set.get("kafka").state().pids[0]  # type: ignore[union-attr]
     feeder.hold_at(0.25, 0.5, 0.75)  # each fault strikes at a hold and traffic resumes after it
     try:
-        with ThreadPoolExecutor(2) as pool:  # two submissions at once: each costs 30-40 s on 2 cores
-            started_broken = pool.submit(broken.start, broken_job, 1)
+        with ThreadPoolExecutor(3) as pool:  # the submissions at once: each costs 30-40 s on 2 cores
+            variants_started = [pool.submit(v.start, j, 1) for v, j in ((broken, broken_job), (control, control_job))]
             drill.start(main, checkpoints=1)
-            started_broken.result()
+            for started_variant in variants_started:
+                started_variant.result()
 
         # Fault 1: one Python SDK worker of the job SIGKILLed while records flow; its TaskManager lives.
         feeder.wait_held()
         notes["before_worker_kill"] = _wait_sinks_grow(config, 0, main)
         workers = python_workers(flink_service.state(), main.job_name)  # type: ignore[arg-type]
         assert workers, f"no Python SDK worker of {main.job_name} found under the TaskManagers"
-        broken_workers = python_workers(flink_service.state(), broken_job.job_name)  # type: ignore[arg-type]
-        notes["python_workers"] = {"main": workers, "broken": broken_workers}
+        variant_workers = {
+            j.job_name: python_workers(flink_service.state(), j.job_name)  # type: ignore[arg-type]
+            for j in (broken_job, control_job)
+        }
+        notes["python_workers"] = {"main": workers, **variant_workers}
         started = time.monotonic()
         os.kill(workers[0], signal.SIGKILL)
-        if broken_workers:
-            os.kill(broken_workers[0], signal.SIGKILL)
+        for pids in variant_workers.values():
+            if pids:
+                os.kill(pids[0], signal.SIGKILL)
         feeder.resume()
         _recovered(main, config, notes["before_worker_kill"]["iceberg_distinct_ids"])
         timings["python_worker_recovery_s"] = round(time.monotonic() - started, 1)
@@ -424,6 +441,16 @@ def fault_drill(
         timings["postgres_recovery_s"] = round(time.monotonic() - started, 1)
         notes["restores"] = main.rest.checkpoints(str(main.job_id)).get("counts", {}).get("restored")
 
+        # The control: its traffic done and in its sinks, its samples taken, then the record-by-record audit.
+        control.feeder.join(300)
+        assert control.feeder.error is None and control.feeder.sent == len(control.traffic.records)
+        wait_for_sinks(control.config, control.traffic, timeout=120)
+        control_samples = control.sampler.finish()
+        control_job.cancel()
+        control_result = DrillResult(
+            control.config, control.traffic, check_exactly_once(control.config, control.traffic), control_samples
+        )
+
         # The broken variant: its traffic done, its samples taken; then a draining stop, to show why it is refused.
         broken.feeder.join(300)
         broken_samples = broken.sampler.finish()
@@ -446,16 +473,19 @@ def fault_drill(
         result.status, result.status_text = status, status_text
         timings["total_s"] = round(time.monotonic() - drill.t0, 1)
         ahead = [s for s in broken_samples if s.ahead()]
+        control_ahead = [s for s in control_samples if s.ahead()]
         print(
             f"\nfault drill timings {timings}\nnotes {result.notes}\n{status_text}\n"
-            f"broken variant: {len(ahead)} of {len(broken_samples)} samples ahead, e.g. {ahead[:3]}"
+            f"broken variant: {len(ahead)} of {len(broken_samples)} samples ahead, e.g. {ahead[:3]}\n"
+            f"control (slow sink, correct read): {len(control_ahead)} of {len(control_samples)} samples ahead, "
+            f"audit problems {control_result.problems}"
         )
-        yield result, broken_result
+        yield result, broken_result, control_result
     finally:
         feeder.resume()
         with contextlib.suppress(Exception):
             _signal_group(kafka_pid, signal.SIGCONT)
-        for job in (main, broken_job):
+        for job in (main, broken_job, control_job):
             with contextlib.suppress(Exception):
                 job.cancel()
 
@@ -471,32 +501,38 @@ def _taskmanager_log_lines(flink_home: Path, needles: tuple[str, ...], limit: in
 
 
 def test_python_worker_kill_broker_hang_and_postgres_restart_leave_every_record_exactly_once(
-    fault_drill: tuple[DrillResult, DrillResult],
+    fault_drill: tuple[DrillResult, DrillResult, DrillResult],
 ) -> None:
-    drill, _ = fault_drill
+    drill = fault_drill[0]
     assert drill.problems == []
     assert drill.notes["restores_after_worker_kill"] >= 1  # the killed worker failed its task: a real failover
 
 
 def test_the_holdings_check_catches_a_read_that_commits_without_the_round_delay(
-    fault_drill: tuple[DrillResult, DrillResult],
+    fault_drill: tuple[DrillResult, DrillResult, DrillResult],
 ) -> None:
-    _, broken = fault_drill
+    _, broken, control = fault_drill
     assert len(broken.samples) >= 20
     ahead = [s for s in broken.samples if s.ahead()]
     assert ahead, "the broken variant's commits never ran ahead of the sinks: the check could not fail"
+    # The control runs the same slow sink with the correct read: what the check caught is the early commit.
+    assert len(control.samples) >= 20
+    assert [s for s in control.samples if s.ahead()] == []
+    assert control.problems == []
 
 
-def test_draining_stop_still_fails_for_the_reason_the_cli_gives(fault_drill: tuple[DrillResult, DrillResult]) -> None:
-    drill, _ = fault_drill
+def test_draining_stop_still_fails_for_the_reason_the_cli_gives(
+    fault_drill: tuple[DrillResult, DrillResult, DrillResult],
+) -> None:
+    drill = fault_drill[0]
     assert drill.notes["drain"] != "drained", "drain works now: drop DRAIN_REFUSED from beamflow flink savepoint"
     assert "CheckpointException" in drill.notes["drain"] or "declined" in drill.notes["drain"].lower()
 
 
 def test_status_after_a_failover_shows_sink_totals_since_the_start(
-    fault_drill: tuple[DrillResult, DrillResult],
+    fault_drill: tuple[DrillResult, DrillResult, DrillResult],
 ) -> None:
-    drill, _ = fault_drill
+    drill = fault_drill[0]
     status = drill.status
     assert status is not None and status.sink_totals is not None
     assert status.checkpoints["restored"] >= 1
@@ -521,7 +557,7 @@ def test_taskmanager_kill_broker_restart_and_zombie_leave_every_record_exactly_o
 
 
 def test_committed_offsets_never_run_ahead_of_the_sinks(
-    live_drill: DrillResult, restore_drill: DrillResult, fault_drill: tuple[DrillResult, DrillResult]
+    live_drill: DrillResult, restore_drill: DrillResult, fault_drill: tuple[DrillResult, DrillResult, DrillResult]
 ) -> None:
     for drill in (live_drill, restore_drill, fault_drill[0]):
         final = drill.samples[-1]
