@@ -125,3 +125,37 @@ def test_out_of_order_offsets_with_a_key_column_lose_nothing_and_add_nothing_twi
     ids = catalog.load_table("ooo.t").scan().to_arrow()["event_id"].to_pylist()
     assert sorted(ids) == [f"e{i}" for i in range(1, 8)]
     assert committer.committed_marks() == {"t": {0: 7}}
+
+
+@pytest.mark.parametrize("owner_setting", [None, "false"])
+def test_a_long_run_of_commits_keeps_the_manifest_list_bounded(tmp_path: Path, owner_setting: str | None) -> None:
+    """pyiceberg 0.8.1 fast-appends by default: a manifest per commit, a list (and pyiceberg's cache of lists) that
+    grows for ever in a streaming sink. The committer turns manifest merging on unless the table's owner set it;
+    two committers alternate, so each also follows the other's merged manifests (``KnownKeys``)."""
+    from beamflow.iceberg.catalog import CatalogConfig, open_catalog
+    from beamflow.iceberg.committer import MANIFEST_MERGE, IcebergCommitter
+
+    catalog = open_catalog(CatalogConfig.local(tmp_path))
+    catalog.create_namespace("long")
+    properties = {MANIFEST_MERGE: owner_setting} if owner_setting else None
+    a, b = (
+        IcebergCommitter(catalog, "long.t", f"sink-{n}", key_column="id", table_properties=properties) for n in "ab"
+    )
+    commits = 110  # merging starts at commit.manifest.min-count-to-merge, 100
+    for i in range(commits):
+        rows = [{"id": f"{i}-{j}", "_kafka": {"topic": "t", "partition": i % 2, "offset": i * 4 + j}} for j in range(4)]
+        assert (a if i % 2 else b).commit(rows).rows_written == 4
+    replayed = b.commit(
+        [{"id": f"{commits - 1}-{j}", "_kafka": {"topic": "t", "partition": 1, "offset": j}} for j in range(4)]
+    )
+    assert (replayed.rows_written, replayed.rows_existing_key) == (0, 4)  # a's last rows, known to b
+    table = catalog.load_table("long.t")
+    ids = table.scan().to_arrow()["id"].to_pylist()
+    assert len(ids) == len(set(ids)) == commits * 4
+    manifests = len(table.current_snapshot().manifests(table.io))  # type: ignore[union-attr]
+    if owner_setting is None:
+        assert table.properties[MANIFEST_MERGE] == "true"
+        assert manifests < 20
+    else:  # the owner's explicit choice is kept, and this is what it costs
+        assert table.properties[MANIFEST_MERGE] == "false"
+        assert manifests == commits
