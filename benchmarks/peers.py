@@ -14,11 +14,17 @@ Throughput (interleaved rounds; each round runs every variant once on the same t
 - ``quix``: ``benchmarks/peers/quix_clicks.py`` in its own virtual environment (``.cache/peers/quix-venv``, created
   here with ``QUIX_PINS``), exactly-once processing guarantee;
 - ``beamflow``: ``pipelines.clicks`` on the pinned local runner as ``benchmarks.e2e`` runs it (its
-  ``--child beamflow``, which also times each fused stage).
+  ``--child beamflow``, which also times each fused stage);
+- ``beamflow-flink``: ``pipelines.clicks --runner=FlinkRunner`` streaming on the local Flink cluster in the production
+  shape (parallelism 2 over two TaskManagers, Python workers beside them, detached submission; ``FlinkRun``).
 
 Each run is its own subprocess; wall seconds from the parent, CPU seconds (user+sys) and peak RSS from ``wait4``'s
-rusage of that child, so every variant is measured the same way. Every run is audited with the same independent
-queries (``audit_run``: a plain pyiceberg scan of the event ids, psql counts, the group's committed offsets).
+rusage of that child, so every variant is measured the same way. ``beamflow-flink`` cannot be one child: its work
+runs in the cluster's processes, so its CPU seconds are theirs (TaskManagers with their Python workers, JobManager,
+job server) plus the submitter's, from its submission until the group's committed offsets reach the topic's end,
+and its peak memory is the largest sum of their RSS, sampled every 0.5 s (the JVMs' heaps included). Every run is
+audited with the same independent queries (``audit_run``: a plain pyiceberg scan of the event ids, psql counts, the
+group's committed offsets).
 
 Crashes (``--drill-events``, 5% duplicate sends), applied identically to ``quix`` and ``beamflow``:
 
@@ -42,6 +48,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -57,7 +64,9 @@ QUIX_PINS = (
     "psycopg[binary]==3.3.9",
 )
 QUIX_JOB = REPO / "benchmarks" / "peers" / "quix_clicks.py"
-VARIANTS = ("baseline", "quix", "beamflow")
+FLINK = "beamflow-flink"
+VARIANTS = ("baseline", "quix", "beamflow", FLINK)
+FLINK_PARALLELISM = 2
 FRAMEWORKS = ("quix", "beamflow")
 RUN_TIMEOUT_S = 1800
 CODE_TREE = [REPO]  # set by main (--code)
@@ -192,6 +201,121 @@ class Run:
         }
 
 
+class FlinkRun:
+    """``beamflow-flink``: the streaming job submitted to the local cluster, measured until it has caught up.
+
+    Done means the group's committed offsets reached the topic's end offsets on every partition: the read commits
+    only what every sink holds (one completed checkpoint after it), so the sinks hold everything by then. The job
+    is then cancelled (a streaming job does not end by itself); the audit runs after that, as for the others.
+    """
+
+    def __init__(self, config: dict[str, Any], workdir: Path, flink: Any) -> None:
+        self.variant = FLINK
+        self.config = config
+        self.workdir = workdir
+        self.flink = flink
+        self.roots = list(flink.info["roles"].values())  # JobManager, TaskManagers, job server
+        self.peak_mb = 0.0
+        self._stop = threading.Event()
+
+    def _cluster_pids(self) -> list[int]:
+        from benchmarks.flink_streaming import _proc_table
+
+        table = _proc_table()
+        children: dict[int, list[int]] = {}
+        for pid, (ppid, _, _) in table.items():
+            children.setdefault(ppid, []).append(pid)
+        found, stack = [], list(self.roots)
+        while stack:
+            pid = stack.pop()
+            if pid in table and pid not in found:
+                found.append(pid)
+                stack.extend(children.get(pid, []))
+        return found
+
+    def _sample_memory(self) -> None:
+        from benchmarks.e2e.samplers import proc_rss_mb
+
+        while not self._stop.wait(0.5):
+            self.peak_mb = max(self.peak_mb, sum(proc_rss_mb(p) or 0.0 for p in self._cluster_pids()))
+
+    def wait(self, timeout: float = RUN_TIMEOUT_S) -> dict[str, Any]:
+        import resource
+
+        from beamflow.flink_rest import FlinkRest
+        from beamflow.kafka.admin import end_offsets
+        from benchmarks.flink_streaming import _submit, cpu_by_role
+        from tests.flink.drill_support import committed_offsets
+
+        kafka = self.config["kafka"]
+        ends = end_offsets(kafka["bootstrap"], kafka["topic"])
+        rest = FlinkRest(self.config["flink"]["rest_url"])
+        sampler = threading.Thread(target=self._sample_memory, daemon=True)
+        cluster_cpu = lambda: cpu_by_role({"flink": self.roots})["flink"]  # noqa: E731
+        cpu0, children0 = cluster_cpu(), resource.getrusage(resource.RUSAGE_CHILDREN)
+        started = time.perf_counter()
+        sampler.start()
+        job_id, tail, returncode = None, "", 0
+        try:
+            job_id, _ = _submit(self.config, self.workdir)  # waits for the submitter, then for RUNNING
+            deadline = time.monotonic() + timeout
+            while True:
+                committed = committed_offsets(self.config)
+                if all(committed.get(p, 0) >= end for p, end in ends.items()):
+                    break
+                if time.monotonic() > deadline or rest.job_state(job_id) != "RUNNING":
+                    returncode, tail = 1, f"job {job_id} {rest.job_state(job_id)}; committed {committed}, ends {ends}"
+                    break
+                time.sleep(0.5)
+            seconds = time.perf_counter() - started
+            children = resource.getrusage(resource.RUSAGE_CHILDREN)
+            # The cluster's CPU before the cancel (the Python workers exit with the job), plus the submitter's.
+            cpu = (
+                cluster_cpu()
+                - cpu0
+                + (children.ru_utime + children.ru_stime)
+                - (children0.ru_utime + children0.ru_stime)
+            )
+        except Exception as exc:  # a failed submission is a failed run, reported like a child's
+            seconds, cpu, returncode, tail = time.perf_counter() - started, 0.0, 1, repr(exc)[-2500:]
+        finally:
+            self._stop.set()
+            sampler.join(5)
+            if job_id:
+                rest.cancel(job_id)
+                rest.wait_for_state(job_id, {"CANCELED"}, timeout=120)
+        return {
+            "variant": self.variant,
+            "returncode": returncode,
+            "seconds": seconds,
+            "cpu_s": cpu,
+            "peak_rss_mb": self.peak_mb,
+            "child": {},
+            "tail": tail,
+        }
+
+
+def flink_variant_config(base: dict[str, Any], tag: str, workdir: Path, flink: Any) -> dict[str, Any]:
+    """The beamflow variant's config (tables of its own), streaming, with ``conf/flink.yaml``'s settings as shipped
+    at ``FLINK_PARALLELISM`` and the local cluster's endpoints."""
+    from beamflow.config import load_config
+    from benchmarks.flink_streaming import LOCAL_KEYS
+    from runners.flink import service_settings
+
+    config = variant_config(base, FLINK, tag, workdir)
+    shipped = {k: v for k, v in load_config(REPO / "conf" / "clicks.yaml")["flink"].items() if k not in LOCAL_KEYS}
+    config["flink"] = {
+        **shipped,
+        **service_settings(flink),
+        "rest_url": flink.info["rest_url"],
+        "parallelism": FLINK_PARALLELISM,
+        "job_name": f"peers-{tag}",
+    }
+    config["kafka"]["bounded"] = False
+    config["job"] = {**config.get("job", {}), "name": f"peers_{tag}"}
+    return config
+
+
 # ---- the audit: the same independent queries for every framework ----------------------------------------------------
 
 
@@ -285,6 +409,7 @@ def throughput(
     variants: list[str],
     qpy: str,
     rounds_large: int | None = None,
+    flink: Any = None,
 ) -> list[dict[str, Any]]:
     out = []
     for size in sizes:
@@ -295,17 +420,20 @@ def throughput(
         for r in range(size_rounds):
             order = variants[r % len(variants) :] + variants[: r % len(variants)]
             for variant in order:
-                config = variant_config(
-                    {**base, "kafka": {**base["kafka"], "topic": topic}}, variant, f"{tag}r{r}", workdir
-                )
+                on_topic = {**base, "kafka": {**base["kafka"], "topic": topic}}
                 load_before = os.getloadavg()[0]
-                result = Run(variant, config, workdir, qpy).wait()
+                if variant == FLINK:
+                    config = flink_variant_config(on_topic, f"{tag}r{r}", workdir, flink)
+                    result = FlinkRun(config, workdir, flink).wait()
+                else:
+                    config = variant_config(on_topic, variant, f"{tag}r{r}", workdir)
+                    result = Run(variant, config, workdir, qpy).wait()
                 result.update(events=size, records=records, round=r, load=load_before, load_after=os.getloadavg()[0])
                 result["audit"] = audit_run(config, expected)
                 out.append(result)
                 a = result["audit"]
                 print(
-                    f"  [{size:,} r{r}] {variant:9} {result['seconds']:6.1f}s "
+                    f"  [{size:,} r{r}] {variant:14} {result['seconds']:6.1f}s "
                     f"{records / result['seconds']:8,.0f} rec/s "
                     f"CPU {result['cpu_s']:6.1f}s ({records / max(result['cpu_s'], 1e-9):7,.0f} rec/CPU s) "
                     f"peak {result['peak_rss_mb']:5.0f} MB load {load_before:4.1f} rc={result['returncode']} | lost "
@@ -605,9 +733,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"baseline and beamflow run the code in {CODE_TREE[0]}", flush=True)
     services = ServiceSet(data=workdir)
     names = ["kafka", "postgres", "registry"]
+    with_flink = FLINK in args.variants.split(",")
+    if with_flink:
+        names.append("flink")
     try:
-        for name in names:
-            services.get(name).up()
+        states = {name: services.get(name).up() for name in names}
         conf = load_config("conf/clicks.yaml")
         conf.pop("flink", None)  # the local runner's and Quix's job: no Flink endpoints to resolve
         base = resolve_auto(conf, services)
@@ -616,7 +746,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"nproc={os.cpu_count()}, load average {load_at_start}", flush=True)
         sizes = [int(s) for s in args.events.split(",") if s]
         runs = (
-            throughput(base, workdir, sizes, args.rounds, args.variants.split(","), qpy, args.rounds_large)
+            throughput(
+                base, workdir, sizes, args.rounds, args.variants.split(","), qpy, args.rounds_large, states.get("flink")
+            )
             if sizes
             else []
         )
@@ -629,12 +761,12 @@ def main(argv: list[str] | None = None) -> int:
         figures["load_at_end"] = os.getloadavg()
         _save(args.json, figures)
         print(
-            f"\n{'events':>8} {'variant':9} {'rec/s':>8} {'x base':>6} {'x quix':>6} {'rec/CPU s':>9} {'peak MB':>7} "
+            f"\n{'events':>8} {'variant':14} {'rec/s':>8} {'x base':>6} {'x quix':>6} {'rec/CPU s':>9} {'peak MB':>7} "
             "lost twice  wall s (rounds)"
         )
         for r in figures["summary"]:
             print(
-                f"{r['events']:8,} {r['variant']:9} {r['rec_s']:8,.0f} {r['x_baseline']:6.2f} {r['x_quix']:6.2f} "
+                f"{r['events']:8,} {r['variant']:14} {r['rec_s']:8,.0f} {r['x_baseline']:6.2f} {r['x_quix']:6.2f} "
                 f"{r['rec_cpu_s']:9,.0f} {r['peak_mb']:7.0f} {r['lost']:4} {r['twice']:5}  {r['seconds']}"
             )
         print(f"load average at start {load_at_start}, at end {figures['load_at_end']}")
