@@ -626,7 +626,9 @@ def plot(figures: dict[str, Any], path: str) -> None:
             bars = ax.bar([j + i * width for j in range(len(sizes))], values, width, label=variant)
             ax.bar_label(bars, fmt="%.0f", fontsize=7)
             ax.set_title(label, fontsize=10)
-            ax.set_xticks([j + width for j in range(len(sizes))], [f"{s:,} events" for s in sizes])
+            ax.set_xticks(
+                [j + width * (len(VARIANTS) - 1) / 2 for j in range(len(sizes))], [f"{s:,} events" for s in sizes]
+            )
     for row in rows:
         if row.get("processed", row["records"]) < row["records"]:  # a run stopped before the end of the topic
             j, i = sizes.index(row["events"]), VARIANTS.index(row["variant"])
@@ -667,8 +669,8 @@ def plot(figures: dict[str, Any], path: str) -> None:
         ax.legend(fontsize=7)
     load = figures.get("load_during") or figures["load"]
     fig.suptitle(
-        f"clicks job: hand-written baseline, Quix Streams 3.28.1 (exactly-once), beamflow local runner; nproc 2, "
-        f"load average {min(load):.0f} to {max(load):.0f} (other engineers' jobs on the same cores)",
+        "clicks job: hand-written baseline, Quix Streams 3.28.1 (exactly-once), beamflow local runner, beamflow "
+        f"streaming on Flink (p{FLINK_PARALLELISM}); nproc 2, load average {min(load):.0f} to {max(load):.0f}",
         fontsize=10,
     )
     fig.tight_layout()
