@@ -355,9 +355,10 @@ class ShardLedger:
     def create(self) -> None:
         if self._created:
             return
+        from beamflow.postgres.table import lock_creation
+
         with self.pool.connection() as conn, conn.transaction():
-            # Concurrent CREATE TABLE IF NOT EXISTS can fail on the catalog's unique index: one creator at a time.
-            conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"beamflow-ledger:{self.table}",))
+            lock_creation(conn, self.table)
             conn.execute(
                 f"CREATE TABLE IF NOT EXISTS {self.table} (sink_group text NOT NULL, record_key text NOT NULL, "
                 "shard integer NOT NULL, attempt bigint NOT NULL, PRIMARY KEY (sink_group, record_key))"

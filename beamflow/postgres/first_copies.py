@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from psycopg import sql
 from psycopg_pool import ConnectionPool
 
+from beamflow.postgres.table import lock_creation
+
 __all__ = ["Copy", "FirstCopyStore", "Verdict"]
 
 
@@ -74,6 +76,7 @@ class FirstCopyStore:
 
     def create(self) -> None:
         with self._pool.connection() as conn:
+            lock_creation(conn, self._table.as_string(conn))
             conn.execute(
                 sql.SQL(
                     "CREATE TABLE IF NOT EXISTS {} (event_id text PRIMARY KEY, topic text NOT NULL,"

@@ -26,6 +26,7 @@ __all__ = [
     "avro_columns",
     "create_table",
     "existing_columns",
+    "lock_creation",
     "parse_table_name",
     "plan_evolution",
     "table_columns",
@@ -144,6 +145,17 @@ class TableSpec:
         return self.extra_fields == "evolve"
 
 
+def lock_creation(conn: psycopg.Connection[Any], name: str) -> None:
+    """Serialises the creation of ``name`` (a table and whatever goes with it) across processes.
+
+    Parallel workers create the same table at once, and ``CREATE TABLE IF NOT EXISTS`` is not safe against that: the
+    loser fails on pg_type's unique index (seen at parallelism 2 on Flink, where both subtasks' ``setup`` create the
+    dedup's first-copies table: the job restarted). Call it first in the creating transaction: the advisory lock is
+    transaction-scoped, so the commit (the end of the pool's connection block) releases it.
+    """
+    conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"beamflow.create_table:{name}",))
+
+
 def create_table(conn: psycopg.Connection[Any], spec: TableSpec) -> None:
     """``CREATE TABLE IF NOT EXISTS`` from the declared columns, primary key = the key columns."""
     if spec.columns is None:
@@ -154,10 +166,7 @@ def create_table(conn: psycopg.Connection[Any], spec: TableSpec) -> None:
         columns=sql.SQL(", ").join(column_defs),
         key=sql.SQL(", ").join(sql.Identifier(k) for k in spec.key),
     )
-    # Parallel workers create the same table at once, and CREATE TABLE IF NOT EXISTS is not safe against that (the
-    # loser fails on pg_type's unique index). A transaction-scoped advisory lock serialises them; the caller's
-    # transaction (the pool's connection block) releases it on commit.
-    conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"beamflow.create_table:{spec.display_name}",))
+    lock_creation(conn, spec.display_name)
     if spec.schema:
         conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(spec.schema)))
     conn.execute(statement)

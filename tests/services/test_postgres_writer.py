@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
@@ -365,28 +365,51 @@ def test_batches_flush_by_rows_bytes_and_age(postgres: ServiceState, conn: Any) 
     assert _count(conn, table) == 7 + 64 + 2
 
 
-def test_parallel_writers_create_the_same_table_without_a_race(postgres: ServiceState) -> None:
-    import threading
+def _created_by_eight_at_once(create: Callable[[str], None]) -> list[BaseException]:
+    """Eight connections create the same new table at the same moment (a barrier), five tables in a row."""
+    errors: list[BaseException] = []
+    for _ in range(5):
+        table = f"race_{uuid.uuid4().hex[:8]}"
+        start = threading.Barrier(8)
 
+        def run(table: str = table, start: threading.Barrier = start) -> None:
+            try:
+                start.wait()
+                create(table)
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    return errors
+
+
+def test_parallel_writers_create_the_same_table_without_a_race(postgres: ServiceState) -> None:
     import psycopg
 
     from beamflow.postgres.table import TableSpec, create_table
 
-    spec = TableSpec(f"race_{uuid.uuid4().hex[:8]}", key=("k",), columns={"k": "text", "v": "bigint"})
-    errors: list[BaseException] = []
-    start = threading.Barrier(8)
+    def create(table: str) -> None:
+        with psycopg.connect(postgres.info["dsn"]) as conn:
+            create_table(conn, TableSpec(table, key=("k",), columns={"k": "text", "v": "bigint"}))
 
-    def create() -> None:
+    assert _created_by_eight_at_once(create) == []
+
+
+def test_parallel_subtasks_create_the_first_copies_table_without_a_race(postgres: ServiceState) -> None:
+    """Both subtasks of a parallelism-2 Flink job create the dedup's first-copies table in ``setup``: without the
+    creation lock one of them failed on pg_type's unique index and the job restarted."""
+    from beamflow.postgres.first_copies import FirstCopyStore
+    from beamflow.postgres.writer import open_pool
+
+    def create(table: str) -> None:
+        pool = open_pool(postgres.info["dsn"], max_size=1)  # one store and pool per thread, like one per worker
         try:
-            with psycopg.connect(postgres.info["dsn"]) as conn:
-                start.wait()
-                create_table(conn, spec)
-        except BaseException as exc:
-            errors.append(exc)
+            FirstCopyStore(pool, table, ttl_ms=60_000).create()
+        finally:
+            pool.close()
 
-    threads = [threading.Thread(target=create) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
+    assert _created_by_eight_at_once(create) == []
