@@ -223,6 +223,7 @@ class FlinkConfig:
     retained_checkpoints_count: int | None = None
     state_backend: str | None = None
     incremental: bool | None = None
+    rocksdb_max_manifest_bytes: int | None = None
     shutdown_sources_after_idle_ms: int | None = None
     max_bundle_size: int | None = None
     max_bundle_time_ms: int | None = None
@@ -232,6 +233,7 @@ class FlinkConfig:
     files_to_stage: Any = None  # auto | [paths]
     savepoint_path: str | None = None
     allow_non_restored_state: bool | None = None
+    experiments: tuple[str, ...] | None = None  # Beam experiments, passed to both the runner and the SDK workers
 
     def settings(self) -> dict[str, Any]:
         """The keys that are set, as a mapping (what ``runners.flink`` reads)."""

@@ -24,6 +24,7 @@ __all__ = [
     "check_checkpoint_stats",
     "check_config",
     "check_flink_classpath",
+    "check_flink_state_config",
     "check_record_gaps",
     "format_findings",
     "rule_code",
@@ -179,6 +180,13 @@ def non_incremental_state(job: Job) -> Finding | None:
         "seed 002: 40 GB uploaded per checkpoint is a full snapshot every time",
         "set flink.incremental: true",
     )
+
+
+@rule
+def rocksdb_manifest_grows(job: Job) -> Finding | None:
+    if not (job.flink and _state_backend(job.flink) == "rocksdb" and not job.flink.rocksdb_max_manifest_bytes):
+        return None
+    return _manifest_grows("with this config", job.flink.checkpointing_interval_ms)
 
 
 @rule
@@ -598,6 +606,36 @@ def check_flink_classpath(classpath: list[str], partitions: int | None) -> list[
             "cluster's lib/ and on the job server's classpath, both ahead of Beam's jars (docs/deploying.md)",
         )
     ]
+
+
+# What the soak measured without a MANIFEST bound: about 1.4 KB more per checkpoint per keyed RocksDB instance.
+MANIFEST_KB_PER_CHECKPOINT = 1.4
+_OPTIONS_FACTORY_KEY = "state.backend.rocksdb.options-factory"
+
+
+def check_flink_state_config(config: Mapping[str, str], interval_ms: int | None) -> list[Finding]:
+    """Reads a cluster's configuration (``/jobmanager/config``): with RocksDB state, is each instance's MANIFEST
+    bounded (``rocksdb_max_manifest_bytes``), or does every incremental checkpoint upload a longer one?"""
+    if str(config.get("state.backend.type", config.get("state.backend", ""))).lower() != "rocksdb":
+        return []
+    if config.get(_OPTIONS_FACTORY_KEY):
+        return []  # beamflow's factory or the owner's own: their choice is visible, nothing to guess
+    return [_manifest_grows("on this cluster", interval_ms)]
+
+
+def _manifest_grows(where: str, interval_ms: int | None) -> Finding:
+    per_day_mb = MANIFEST_KB_PER_CHECKPOINT * 86_400_000 / (interval_ms or 10_000) / 1024
+    return Finding(
+        "rocksdb-manifest-grows",
+        "warning",
+        f"each RocksDB instance's MANIFEST grows with every checkpoint {where} (about {per_day_mb:,.0f} MB a day per "
+        "keyed operator instance, uploaded whole with every incremental checkpoint)",
+        "RocksDB appends a version edit per flush and rolls the MANIFEST over only at max_manifest_file_size "
+        "(1 GB by default, never set by Flink 1.19); Flink flushes at every checkpoint and uploads the MANIFEST as "
+        "private state each time (ververica/frocksdb#87)",
+        "set flink.rocksdb_max_manifest_bytes (conf/flink.yaml: 16384) with beamflow's RocksDB options jar in the "
+        "cluster's lib/ (FlinkService.rocksdb_options_jar(); docs/deploying.md)",
+    )
 
 
 def _phase(summary: Mapping[str, Any], name: str) -> int:

@@ -576,6 +576,8 @@ def run_streaming(
 
     config = _variant_config(f"fs{label}", states, parallelism)
     config["flink"].update(args.flink_overrides)
+    for section, values in args.job_overrides.items():
+        config.setdefault(section, {}).update(values)
     config["postgres"]["first_copies_table"] = f"first_copies_{config['job']['name']}"
     backlog_end = _produce_backlog(config, backlog)
     rest = FlinkRest(config["flink"]["rest_url"])
@@ -784,6 +786,8 @@ def report(figures: dict[str, Any]) -> list[str]:
     interval_s = figures["interval_ms"] / 1000
     if figures.get("flink_overrides"):
         lines.append(f"flink: settings changed from conf/flink.yaml for this run: {figures['flink_overrides']}")
+    if figures.get("job_overrides"):
+        lines.append(f"job settings changed from conf/clicks.yaml for this run: {figures['job_overrides']}")
     if direct:
         lines.append(
             f"direct (pinned local runner, bounded): {direct['records']:,} records in {direct['seconds']:.1f}s "
@@ -921,6 +925,20 @@ def plot(figures: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
+def _job_overrides(pairs: list[str]) -> dict[str, dict[str, Any]]:
+    """``SECTION.KEY=VALUE`` pairs as settings of the job's other sections (``kafka.max_bundle_records=5000``)."""
+    import yaml
+
+    overrides: dict[str, dict[str, Any]] = {}
+    for pair in pairs:
+        dotted, sep, value = pair.partition("=")
+        section, dot, key = dotted.partition(".")
+        if not sep or not dot or not key or section == "flink":
+            raise SystemExit(f"--job-set takes SECTION.KEY=VALUE (not flink.*: --flink-set), not {pair!r}")
+        overrides.setdefault(section, {})[key] = yaml.safe_load(value)
+    return overrides
+
+
 def _flink_overrides(pairs: list[str]) -> dict[str, Any]:
     """``KEY=VALUE`` pairs as flink: settings, each value read as YAML (``3000`` is an int, ``true`` a bool)."""
     import yaml
@@ -949,10 +967,18 @@ def main(argv: list[str] | None = None) -> int:
         metavar="KEY=VALUE",
         help="override one flink: setting of the streaming variants (e.g. max_bundle_size=3000); repeatable",
     )
+    parser.add_argument(
+        "--job-set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one setting of the streaming variants' job (e.g. kafka.max_bundle_records=5000); repeatable",
+    )
     parser.add_argument("--json", help="write every figure here")
     parser.add_argument("--plot", help="write the PNG here")
     args = parser.parse_args(argv)
     args.flink_overrides = _flink_overrides(args.flink_set)
+    args.job_overrides = _job_overrides(args.job_set)
 
     from beamflow.config import load_config
     from beamflow.generate import TrafficSpec, avro_click_encoder, generate_traffic
@@ -981,6 +1007,7 @@ def main(argv: list[str] | None = None) -> int:
         "interval_ms": int(args.flink_overrides.get("checkpointing_interval_ms", shipped["checkpointing_interval_ms"])),
         "shipped_flink": {k: v for k, v in shipped.items() if k not in LOCAL_KEYS},
         "flink_overrides": args.flink_overrides,
+        "job_overrides": args.job_overrides,
         "streaming": [],
     }
     problems: dict[str, list[str]] = {}

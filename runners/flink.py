@@ -23,6 +23,9 @@ Flink-side options the Python SDK then accepts as flags, and against a Flink 1.1
   server's environment reads from the cluster's config.yaml and which then overrides Beam's fail-on-first-failure]
 - state_backend -> (left to the cluster, see below) [``state.backend.type: rocksdb|hashmap``]
 - incremental -> (no option) [``state.backend.incremental``]
+- rocksdb_max_manifest_bytes -> (no option) [``state.backend.rocksdb.options-factory:
+  beamflow.flink.BoundedManifestOptionsFactory``, ``beamflow.rocksdb.max-manifest-file-size``; the factory's jar is in
+  the local cluster's lib/, a deployment puts it in its image]
 - restart_strategy fixed-delay -> ``--number_of_execution_retries``, ``--execution_retry_delay``
   [``restart-strategy.*``, any type]
 - environment -> ``--environment_type``, ``--environment_config``
@@ -33,6 +36,7 @@ Flink-side options the Python SDK then accepts as flags, and against a Flink 1.1
   and present without checkpointing; element-wise output was always complete. Tests of bounded input on Flink should
   check element-wise results, not end-of-input windows.
 - max_bundle_size, max_bundle_time_ms -> ``--max_bundle_size``, ``--max_bundle_time_mills``
+- experiments -> ``--experiments`` (repeated): Beam experiments, read by the runner and by the SDK workers alike
 - finish_bundle_before_checkpointing -> ``--finish_bundle_before_checkpointing``
 - files_to_stage -> ``--files_to_stage`` (repeated): the jars the job ships, on beamflow's job server; Beam's own
   ``FlinkJobServerDriver`` ignores it and ships its classpath
@@ -74,6 +78,7 @@ from typing import Any
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from beamflow.config import FlinkConfig, JobConfig
+from beamflow.services.flink import rocksdb_manifest_settings
 
 _LOG = logging.getLogger(__name__)
 
@@ -120,12 +125,21 @@ _BOOL_FLAGS: dict[str, tuple[str, ...]] = {
 _CLUSTER_ONLY = {
     "state_backend",
     "incremental",
+    "rocksdb_max_manifest_bytes",
     "retained_checkpoints_count",
     "task_slots",
     "tolerable_failed_checkpoints",
 }
 # Handled by flink_flags or cluster_settings themselves.
-_OTHER = {"environment", "restart_strategy", "streaming", "files_to_stage", "fail_on_checkpointing_errors", "rest_url"}
+_OTHER = {
+    "environment",
+    "restart_strategy",
+    "streaming",
+    "files_to_stage",
+    "fail_on_checkpointing_errors",
+    "rest_url",
+    "experiments",
+}
 # The keys of the flink: section are FlinkConfig's fields (beamflow/config.py); each one goes somewhere here.
 _KNOWN = set(_VALUE_FLAGS) | set(_BOOL_FLAGS) | _CLUSTER_ONLY | _OTHER
 _STATE_BACKENDS = {"rocksdb", "hashmap"}
@@ -162,6 +176,8 @@ def flink_flags(config: FlinkConfig | Mapping[str, Any]) -> list[str]:
         flags.extend(_restart_flags(restart))
     for path in config.get("files_to_stage") or ():
         flags.append(f"--files_to_stage={path}")
+    for experiment in config.get("experiments") or ():
+        flags.append(f"--experiments={experiment}")
     backend = config.get("state_backend")
     if backend is not None and backend not in _STATE_BACKENDS:
         raise ValueError(f"state_backend must be one of {sorted(_STATE_BACKENDS)}, got {backend!r}")
@@ -181,6 +197,8 @@ def cluster_settings(config: FlinkConfig | Mapping[str, Any]) -> dict[str, Any]:
         settings["state.backend.type"] = config["state_backend"]
     if config.get("incremental") is not None:
         settings["state.backend.incremental"] = bool(config["incremental"])
+    if config.get("rocksdb_max_manifest_bytes"):
+        settings.update(rocksdb_manifest_settings(int(config["rocksdb_max_manifest_bytes"])))
     if config.get("retained_checkpoints_count"):
         settings["state.checkpoints.num-retained"] = int(config["retained_checkpoints_count"])
     if config.get("retained_checkpoints"):

@@ -70,6 +70,9 @@ def run(args: argparse.Namespace) -> int:
 
             known = partitions or (config.kafka.partitions if config.kafka else None)
             findings += check_flink_classpath(rest.jobmanager_classpath(), known)
+            from beamflow.doctor import check_flink_state_config
+
+            findings += check_flink_state_config(rest.config(), config.flink.checkpointing_interval_ms)
         job_id = args.job_id or next((j.job_id for j in rest.jobs() if j.state == "RUNNING"), None)
         if job_id is None:
             print("doctor: no running Flink job to inspect")

@@ -89,7 +89,16 @@ from beamflow.services.fetch import maven_classpath, pypi_download
 from beamflow.services.gobuild import go_install
 from beamflow.services.paths import project_root
 
-__all__ = ["BEAM_VERSION", "FLINK_VERSION", "FlinkService", "compile_java", "java_jar", "python_workers", "runner_jars"]
+__all__ = [
+    "BEAM_VERSION",
+    "FLINK_VERSION",
+    "FlinkService",
+    "compile_java",
+    "java_jar",
+    "python_workers",
+    "rocksdb_manifest_settings",
+    "runner_jars",
+]
 
 FLINK_VERSION = "1.19.3"
 BEAM_VERSION = "2.62.0"
@@ -109,6 +118,23 @@ JAVA_SOURCES = Path(__file__).resolve().parent / "java"
 # First in the cluster's lib/ (sorted by name): its ServerFactory is loaded ahead of Beam's.
 FN_SERVERS_JAR = "0-beamflow-loopback-fn-servers.jar"
 LAUNCHER_JAR = "beamflow-loopback-job-server.jar"
+# RocksDB options that bound each state instance's MANIFEST (java/rocksdb/, see BoundedManifestOptionsFactory).
+ROCKSDB_OPTIONS_JAR = "beamflow-rocksdb-options.jar"
+ROCKSDB_OPTIONS_FACTORY = "beamflow.flink.BoundedManifestOptionsFactory"
+# conf/flink.yaml's rocksdb_max_manifest_bytes, the local cluster's default.
+ROCKSDB_MAX_MANIFEST_BYTES = 16384
+
+
+def rocksdb_manifest_settings(max_bytes: int) -> dict[str, str]:
+    """config.yaml entries that bound each RocksDB instance's MANIFEST at ``max_bytes`` (a roll-over threshold):
+    without them RocksDB's 1 GB default lets it grow by a version edit per checkpoint flush, and Flink uploads it
+    whole with every incremental checkpoint (``java/rocksdb/.../BoundedManifestOptionsFactory.java``)."""
+    return {
+        "state.backend.rocksdb.options-factory": ROCKSDB_OPTIONS_FACTORY,
+        "beamflow.rocksdb.max-manifest-file-size": f"{max_bytes} bytes",
+    }
+
+
 # Beam's Python SDK container entry point (boot.go), the PROCESS environment's command.
 BOOT_PACKAGE = "github.com/apache/beam/sdks/v2/python/container"
 BOOT_VERSION = f"v{BEAM_VERSION}"
@@ -125,6 +151,7 @@ DEFAULT_SETTINGS: dict[str, Any] = {
     "taskmanager.memory.process.size": "1536m",
     "state.backend.type": "rocksdb",
     "state.backend.incremental": True,
+    **rocksdb_manifest_settings(ROCKSDB_MAX_MANIFEST_BYTES),
     "state.checkpoints.num-retained": 3,
     "execution.checkpointing.externalized-checkpoint-retention": "RETAIN_ON_CANCELLATION",
     # conf/flink.yaml's tolerable_failed_checkpoints: one slow checkpoint must not restart the job (Beam's default).
@@ -208,6 +235,7 @@ class FlinkService(LocalService):
         self.launcher_jar()
         self.fn_servers_jar()
         self.sdf_residuals_jar()
+        self.rocksdb_options_jar()
         self.boot_binary()
 
     def launcher_jar(self) -> Path:
@@ -218,6 +246,11 @@ class FlinkService(LocalService):
     def fn_servers_jar(self) -> Path:
         """beamflow's loopback ``ServerFactory`` for the TaskManagers, as a jar to put first in ``lib/``."""
         return java_jar(JAVA_SOURCES / "fnservers", self.job_server_classpath(), self.cache_dir, FN_SERVERS_JAR)
+
+    def rocksdb_options_jar(self) -> Path:
+        """``beamflow.flink.BoundedManifestOptionsFactory`` (RocksDB's MANIFEST bounded, so incremental checkpoints
+        stop growing with every flush), as a jar in ``lib/`` and on the job server's classpath."""
+        return java_jar(JAVA_SOURCES / "rocksdb", self.job_server_classpath(), self.cache_dir, ROCKSDB_OPTIONS_JAR)
 
     def sdf_residuals_jar(self) -> Path:
         """Beam's runner classes patched so a deferring read's state stays bounded (``beam_patches``), as a jar to put
@@ -348,6 +381,7 @@ class FlinkService(LocalService):
         (self.lib_dir / FN_SERVERS_JAR).symlink_to(self.fn_servers_jar())
         # Also first: the SDF residual fix (apache/beam#27648, see beamflow.services.beam_patches).
         (self.lib_dir / SDF_RESIDUALS_JAR).symlink_to(self.sdf_residuals_jar())
+        (self.lib_dir / ROCKSDB_OPTIONS_JAR).symlink_to(self.rocksdb_options_jar())
         self.marker_jar.parent.mkdir(parents=True, exist_ok=True)
         with zipfile.ZipFile(self.marker_jar, "w") as jar_file:
             jar_file.writestr("META-INF/MANIFEST.MF", "Manifest-Version: 1.0\nCreated-By: beamflow\n")
@@ -402,7 +436,13 @@ class FlinkService(LocalService):
             # The fn-servers jar first: beamflow's ServerFactory is the one any Fn API server of the job server
             # binds with. (Jobs ship only their --files_to_stage: StageNothingFlinkJobInvoker, not this classpath.)
             "-cp", os.pathsep.join(
-                [str(self.fn_servers_jar()), str(self.sdf_residuals_jar()), str(self.launcher_jar()), f"{classpath}/*"]
+                [
+                    str(self.fn_servers_jar()),
+                    str(self.sdf_residuals_jar()),
+                    str(self.launcher_jar()),
+                    str(self.rocksdb_options_jar()),
+                    f"{classpath}/*",
+                ]
             ),
             JOB_SERVER_MAIN,
             f"--flink-master=127.0.0.1:{ports['rest']}",

@@ -135,3 +135,15 @@ def test_a_cluster_without_the_sdf_residual_fix_is_flagged() -> None:
     assert [f.code for f in behind] == ["sdf-residual-state-grows"] and "comes after" in behind[0].message
     assert check_flink_classpath([fix, runner], 4) == []
     assert check_flink_classpath([lib + "flink-dist-1.19.3.jar"], 4) == []  # Beam shipped by the job: not seen here
+
+
+def test_a_rocksdb_cluster_without_a_manifest_bound_is_flagged() -> None:
+    from beamflow.doctor import check_flink_state_config
+
+    rocksdb = {"state.backend.type": "rocksdb", "state.backend.incremental": "true"}
+    unbounded = check_flink_state_config(rocksdb, 10_000)
+    assert [(f.code, f.severity) for f in unbounded] == [("rocksdb-manifest-grows", "warning")]
+    assert "about 12 MB a day" in unbounded[0].message  # 1.4 KB x 8,640 checkpoints
+    bounded = {**rocksdb, "state.backend.rocksdb.options-factory": "beamflow.flink.BoundedManifestOptionsFactory"}
+    assert check_flink_state_config(bounded, 10_000) == []
+    assert check_flink_state_config({"state.backend.type": "hashmap"}, 10_000) == []

@@ -25,6 +25,11 @@ CASES: dict[str, tuple[list[str], list[str], str]] = {
     "no-min-pause": (["flink.min_pause_between_checkpoints_ms=null"], [], "warning"),
     "min-pause-below-commit-round": (["flink.min_pause_between_checkpoints_ms=500"], [], "warning"),
     "non-incremental-state": (["flink.incremental=false"], [], "warning"),
+    "rocksdb-manifest-grows": (
+        ["flink.rocksdb_max_manifest_bytes=null"],
+        ["flink.rocksdb_max_manifest_bytes=8192"],
+        "warning",
+    ),
     "heap-state-for-sessions": (["flink.state_backend=hashmap"], [], "info"),
     "aligned-checkpoints-under-backpressure": (["flink.unaligned_checkpoints=null"], [], "info"),
     "offsets-ahead-of-sinks": (["flink.finish_bundle_before_checkpointing=false"], [], "error"),

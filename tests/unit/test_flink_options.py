@@ -38,6 +38,16 @@ def test_example_conf_maps_to_job_server_options_and_cluster_settings() -> None:
     assert settings["state.backend.incremental"] is True
     assert settings["state.checkpoints.num-retained"] == 3
     assert settings["execution.checkpointing.tolerable-failed-checkpoints"] == 3
+    assert settings["state.backend.rocksdb.options-factory"] == "beamflow.flink.BoundedManifestOptionsFactory"
+    assert settings["beamflow.rocksdb.max-manifest-file-size"] == "16384 bytes"
+    from beamflow.services.flink import DEFAULT_SETTINGS
+
+    assert DEFAULT_SETTINGS["beamflow.rocksdb.max-manifest-file-size"] == "16384 bytes"  # the local cluster = the conf
+    assert "state.backend.rocksdb.options-factory" not in cluster_settings(
+        {**section, "rocksdb_max_manifest_bytes": None}
+    )
+    experiments = flink_flags({**section, "experiments": ["data_buffer_size_limit=65536", "use_runner_v2"]})
+    assert experiments[-2:] == ["--experiments=data_buffer_size_limit=65536", "--experiments=use_runner_v2"]
 
 
 def test_command_line_overrides_the_conf() -> None:
