@@ -118,6 +118,8 @@ class SinkFn(beam.DoFn):
 
     GUARANTEE: ClassVar[Declared]
     STAGE: ClassVar[str] = ""
+    # The event time (epoch microseconds) of the element ``add`` is called with, for sinks that stamp what they write.
+    element_micros: int = 0
 
     def open(self) -> None:
         """Opens the pool/clients (once per instance)."""
@@ -145,8 +147,10 @@ class SinkFn(beam.DoFn):
     def start_bundle(self) -> None:
         self._latest_micros = MIN_TIMESTAMP.micros  # int micros: compared per element in Python
 
-    def process(self, element: Any, timestamp: Any = beam.DoFn.TimestampParam) -> Iterator[Any]:
-        micros = timestamp.micros
+    # The windowed value's int micros, not TimestampParam: Beam resolves each parameter per element through a chain
+    # of comparisons (WindowedValueParam comes first) and builds a Timestamp object for TimestampParam.
+    def process(self, element: Any, windowed: Any = beam.DoFn.WindowedValueParam) -> Iterator[Any]:
+        self.element_micros = micros = windowed.timestamp_micros
         if micros > self._latest_micros:
             self._latest_micros = micros
         for out in self.add(element):

@@ -38,6 +38,8 @@ from beamflow.kafka.producer import (
 )
 from transforms.sink_base import DEAD_LETTERS, Declared, Guarantee, SinkFn, SinkResult, write_with
 
+_MIN_MICROS, _MAX_MICROS = MIN_TIMESTAMP.micros, MAX_TIMESTAMP.micros
+
 __all__ = ["DEAD_LETTERS", "METRICS_NAMESPACE", "MODES", "ProducerRecord", "WriteToKafka", "close_shared_writers"]
 
 METRICS_NAMESPACE = "beamflow.kafka_sink"
@@ -93,8 +95,9 @@ def _as_bytes(value: Any, what: str) -> bytes | None:
     raise TypeError(f"{what} must be bytes, str or None, got {type(value).__name__}")
 
 
-class _ToRecord(beam.DoFn):
-    """Element -> ProducerRecord (with the element's event time as the record timestamp), else a dead letter."""
+class _RecordMaker:
+    """Element -> ProducerRecord, with the element's event time as the record timestamp (raises on an element that
+    cannot become one: the caller makes it a dead letter)."""
 
     def __init__(
         self,
@@ -106,27 +109,36 @@ class _ToRecord(beam.DoFn):
         self._value_fn = value_fn
         self._id_fn = id_fn
 
-    def process(self, element: Any, timestamp: Any = beam.DoFn.TimestampParam) -> Iterator[Any]:
+    def __call__(self, element: Any, micros: int) -> ProducerRecord:
+        if isinstance(element, ProducerRecord) and self._key_fn is None and self._value_fn is None:
+            record = element
+        else:
+            key = _as_bytes(self._key_fn(element), "key_fn's result") if self._key_fn else None
+            value = _as_bytes(self._value_fn(element) if self._value_fn else element, "the value")
+            record = ProducerRecord(value, key)
+        if self._id_fn is not None:
+            record = ProducerRecord(record.value, record.key, record.headers, str(self._id_fn(element)))
+        if record.timestamp_ms is None and _MIN_MICROS < micros < _MAX_MICROS:
+            record = ProducerRecord(record.value, record.key, record.headers, record.record_id, micros // 1000)
+        return record
+
+
+def _unmakeable(element: Any, exc: Exception) -> DeadLetter:
+    return DeadLetter(encode_payload(element), _STAGE, f"cannot make a Kafka record: {exc}", error=type(exc).__name__)
+
+
+class _ToRecord(beam.DoFn):
+    """Element -> ProducerRecord, else a dead letter (exactly-once: the records are sharded before the writer)."""
+
+    def __init__(self, make: _RecordMaker) -> None:
+        self._make = make
+
+    def process(self, element: Any, windowed: Any = beam.DoFn.WindowedValueParam) -> Iterator[Any]:
         try:
-            if isinstance(element, ProducerRecord) and self._key_fn is None and self._value_fn is None:
-                record = element
-            else:
-                key = _as_bytes(self._key_fn(element), "key_fn's result") if self._key_fn else None
-                value = _as_bytes(self._value_fn(element) if self._value_fn else element, "the value")
-                record = ProducerRecord(value, key)
-            if self._id_fn is not None:
-                record = ProducerRecord(record.value, record.key, record.headers, str(self._id_fn(element)))
-            if record.timestamp_ms is None and MIN_TIMESTAMP < timestamp < MAX_TIMESTAMP:
-                record = ProducerRecord(
-                    record.value, record.key, record.headers, record.record_id, timestamp.micros // 1000
-                )
+            # int micros, not TimestampParam (see SinkFn.process)
+            record = self._make(element, windowed.timestamp_micros)
         except Exception as exc:  # the element's own fault: it cannot become a record
-            yield TaggedOutput(
-                DEAD_LETTERS,
-                DeadLetter(
-                    encode_payload(element), _STAGE, f"cannot make a Kafka record: {exc}", error=type(exc).__name__
-                ),
-            )
+            yield TaggedOutput(DEAD_LETTERS, _unmakeable(element, exc))
             return
         yield record
 
@@ -309,8 +321,11 @@ class _IdempotentFn(SinkFn):
     )
     STAGE = _STAGE
 
-    def __init__(self, bootstrap: str, topic: str, producer_config: dict[str, Any], timeout_s: float) -> None:
+    def __init__(
+        self, bootstrap: str, topic: str, producer_config: dict[str, Any], timeout_s: float, make: _RecordMaker
+    ) -> None:
         super().__init__()
+        self._make = make
         self._bootstrap = bootstrap
         self._topic = topic
         self._config = producer_config
@@ -322,8 +337,14 @@ class _IdempotentFn(SinkFn):
     def open(self) -> None:
         self._writer = AtLeastOnceWriter(self._bootstrap, self._topic, self._config, self._timeout_s, _STAGE)
 
-    def add(self, record: ProducerRecord) -> list[DeadLetter]:
+    def add(self, element: Any) -> list[DeadLetter]:
+        # Records are made here, not in a step of their own: one Beam step less per element (benchmarks/kafka_sink).
         assert self._writer is not None
+        try:
+            record = self._make(element, self.element_micros)
+        except Exception as exc:  # the element's own fault: it cannot become a record
+            self._dead.inc()
+            return [_unmakeable(element, exc)]
         dead = self._writer.add(record)
         if dead:
             self._dead.inc(len(dead))
@@ -484,52 +505,50 @@ class WriteToKafka(beam.PTransform):
         self.max_buffering_s = max_buffering_s
         self.ledger_retention_s = ledger_retention_s
         self.timeout_s = timeout_s
-        self._to_record = _ToRecord(key_fn, value_fn, id_fn)
+        self._make = _RecordMaker(key_fn, value_fn, id_fn)
         if mode == "exactly-once":
             from beamflow.postgres.table import validate_identifier
 
             validate_identifier(ledger_table, "ledger table")  # here, not first on a worker
 
     def expand(self, elements: beam.PCollection) -> SinkResult:
-        records = elements | "ToRecords" >> beam.ParDo(self._to_record).with_outputs(DEAD_LETTERS, main="records")
         if self.mode == "at-least-once":
-            written = write_with(
-                records.records, _IdempotentFn(self.bootstrap, self.topic, self.producer_config, self.timeout_s)
+            # The records are made in the writer itself, so each element takes one Beam step here, not two.
+            return write_with(
+                elements, _IdempotentFn(self.bootstrap, self.topic, self.producer_config, self.timeout_s, self._make)
             )
+        assert self.sink_group and self.ledger_dsn and self.shards
+        records = elements | "ToRecords" >> beam.ParDo(_ToRecord(self._make)).with_outputs(DEAD_LETTERS, main="records")
+        # One place per shard: the grouping is keyed, so a shard's batches all come from the one worker that owns its
+        # key, and the writer (fused after it) commits each before the bundle ends. The global window first: groups
+        # are per window, and event-time windows would cut them into tiny transactions.
+        sharded = (
+            records.records
+            | "Shard" >> beam.ParDo(_Shard(self.shards)).with_output_types(tuple[int, Any])
+            | "GlobalWindow" >> beam.WindowInto(GlobalWindows())
+        )
+        if elements.is_bounded:
+            # Bounded input ends: one group per shard at the end, cut into transactions of batch_size where it is
+            # written. GroupIntoBatches would keep every element in state on the way (a state call per element: twice
+            # the time on the local runner).
+            batches = sharded | "GroupByShard" >> beam.GroupByKey() | "Chunk" >> beam.FlatMap(_chunks, self.batch_size)
         else:
-            assert self.sink_group and self.ledger_dsn and self.shards
-            # One place per shard: the grouping is keyed, so a shard's batches all come from the one worker that
-            # owns its key, and the writer (fused after it) commits each before the bundle ends. The global window
-            # first: groups are per window, and event-time windows would cut them into tiny transactions.
-            sharded = (
-                records.records
-                | "Shard" >> beam.ParDo(_Shard(self.shards)).with_output_types(tuple[int, Any])
-                | "GlobalWindow" >> beam.WindowInto(GlobalWindows())
+            batches = sharded | "Batch" >> beam.GroupIntoBatches(
+                self.batch_size, max_buffering_duration_secs=self.max_buffering_s
             )
-            if elements.is_bounded:
-                # Bounded input ends: one group per shard at the end, cut into transactions of batch_size where it
-                # is written. GroupIntoBatches would keep every element in state on the way (a state call per
-                # element: twice the time on the local runner).
-                batches = (
-                    sharded | "GroupByShard" >> beam.GroupByKey() | "Chunk" >> beam.FlatMap(_chunks, self.batch_size)
-                )
-            else:
-                batches = sharded | "Batch" >> beam.GroupIntoBatches(
-                    self.batch_size, max_buffering_duration_secs=self.max_buffering_s
-                )
-            written = write_with(
-                batches,
-                _TransactionalFn(
-                    self.bootstrap,
-                    self.topic,
-                    self.sink_group,
-                    self.ledger_dsn,
-                    self.ledger_table,
-                    self.shards,
-                    self.producer_config,
-                    self.ledger_retention_s,
-                    self.timeout_s,
-                ),
-            )
+        written = write_with(
+            batches,
+            _TransactionalFn(
+                self.bootstrap,
+                self.topic,
+                self.sink_group,
+                self.ledger_dsn,
+                self.ledger_table,
+                self.shards,
+                self.producer_config,
+                self.ledger_retention_s,
+                self.timeout_s,
+            ),
+        )
         dead = (records[DEAD_LETTERS], written.dead_letters) | "DeadLetters" >> beam.Flatten()
         return SinkResult(written=written.written, dead_letters=dead)

@@ -147,7 +147,7 @@ class ProducerRecord:
 
 
 def record_size(record: ProducerRecord) -> int:
-    headers = sum(len(k) + len(v) + 8 for k, v in record.headers)
+    headers = sum(len(k) + len(v) + 8 for k, v in record.headers) if record.headers else 0
     return len(record.key or b"") + len(record.value or b"") + headers + _RECORD_OVERHEAD
 
 
@@ -197,10 +197,13 @@ class SizeLimit:
         for record in records:
             size = record_size(record)
             if size > self.max_bytes:
-                dead.append(self.too_large(record, f"record of about {size} bytes exceeds {self.max_bytes}"))
+                dead.append(self.exceeds(record, size))
             else:
                 fit.append(record)
         return fit, dead
+
+    def exceeds(self, record: ProducerRecord, size: int) -> DeadLetter:
+        return self.too_large(record, f"record of about {size} bytes exceeds {self.max_bytes}")
 
     def too_large(self, record: ProducerRecord, why: str) -> DeadLetter:
         return DeadLetter(
@@ -262,12 +265,12 @@ class AtLeastOnceWriter:
             self.stats.written += 1
 
     def add(self, record: ProducerRecord) -> list[DeadLetter]:
-        fit, dead = self.limit.split((record,))
-        if dead:
+        size = record_size(record)
+        if size > self.limit.max_bytes:
             self.stats.dead_letters += 1
-            return dead
+            return [self.limit.exceeds(record, size)]
         try:
-            _produce(self._producer, self.topic, fit[0], self._delivered)
+            _produce(self._producer, self.topic, record, self._delivered)
         except _TooLarge as exc:
             self.stats.dead_letters += 1
             return [self.limit.too_large(record, str(exc))]
@@ -299,22 +302,23 @@ class _TooLarge(Exception):
 
 
 def _produce(producer: Any, topic: str, record: ProducerRecord, on_delivery: Callable[[Any, Any], None]) -> None:
-    from confluent_kafka import KafkaError, KafkaException
-
-    kwargs: dict[str, Any] = {"key": record.key, "value": record.value, "on_delivery": on_delivery}
-    if record.headers:
-        kwargs["headers"] = list(record.headers)
-    if record.timestamp_ms is not None:
-        kwargs["timestamp"] = record.timestamp_ms
+    # Called once per record: positional arguments and no keyword dict when there are no headers (the common case).
+    headers = list(record.headers) if record.headers else None
+    timestamp = record.timestamp_ms or 0  # 0: librdkafka stamps the record itself
     while True:
         try:
-            producer.produce(topic, **kwargs)
+            producer.produce(
+                topic, record.value, record.key, on_delivery=on_delivery, timestamp=timestamp, headers=headers
+            )
             return
         except BufferError:  # the local queue is full: let deliveries drain
             producer.poll(0.1)
-        except KafkaException as exc:
-            if exc.args and exc.args[0].code() == KafkaError.MSG_SIZE_TOO_LARGE:
-                raise _TooLarge(exc.args[0].str()) from exc
+        except Exception as exc:
+            from confluent_kafka import KafkaError
+
+            error = exc.args[0] if exc.args else None
+            if hasattr(error, "code") and error.code() == KafkaError.MSG_SIZE_TOO_LARGE:
+                raise _TooLarge(error.str()) from exc
             raise
 
 

@@ -27,6 +27,7 @@ import apache_beam as beam
 import pytest
 from apache_beam.metrics.metric import MetricsFilter
 from apache_beam.testing.util import assert_that, equal_to
+from apache_beam.transforms.window import TimestampedValue
 from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
@@ -421,6 +422,38 @@ def test_at_least_once_writes_everything(kafka: ServiceState, topic: str) -> Non
         total = sink.written | beam.Map(lambda r: r["rows_written"]) | beam.CombineGlobally(sum)
         assert_that(total, equal_to([500]))
     assert sorted(read_committed(bootstrap, topic)) == sorted(values)
+
+
+def test_at_least_once_makes_records_in_the_writer_stamped_and_dead_letters_the_rest(
+    kafka: ServiceState, topic: str
+) -> None:
+    # The at-least-once writer makes the records itself (no step of their own): each with its element's event time,
+    # and an element that cannot become a record a dead letter with the reason, not a failed bundle.
+    bootstrap = kafka.info["bootstrap"]
+    elements = [{"u": f"user-{i}", "n": i} for i in range(20)] + [{"u": None, "n": 99}]
+    with beam.Pipeline(options=local_options()) as p:
+        sink = (
+            p
+            | beam.Create(elements)
+            | beam.Map(lambda e: TimestampedValue(e, 1_700_000_000 + e["n"]))
+            | WriteToKafka(
+                bootstrap, topic, mode="at-least-once", key_fn=lambda e: e["u"].encode(), value_fn=lambda e: str(e["n"])
+            )
+        )
+        reasons = sink.dead_letters | beam.Map(lambda d: (d.stage, d.error, d.reason.startswith("cannot make")))
+        assert_that(reasons, equal_to([("write_to_kafka", "AttributeError", True)]), label="dead")
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"ts-{uuid.uuid4().hex[:6]}"})
+    try:
+        consumer.assign([TopicPartition(topic, p, 0) for p in consumer.list_topics(topic).topics[topic].partitions])
+        stamps: dict[bytes, int] = {}
+        deadline = time.monotonic() + 30
+        while len(stamps) < 20 and time.monotonic() < deadline:
+            for message in consumer.consume(100, 0.5):
+                if message.error() is None:
+                    stamps[message.key()] = message.timestamp()[1]
+    finally:
+        consumer.close()
+    assert stamps == {f"user-{i}".encode(): (1_700_000_000 + i) * 1000 for i in range(20)}
 
 
 @pytest.mark.parametrize("mode", ["exactly-once", "at-least-once"])

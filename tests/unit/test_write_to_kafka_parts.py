@@ -22,7 +22,7 @@ from beamflow.kafka.producer import (
 )
 from runners.direct import local_options
 from transforms.sink_base import DEAD_LETTERS
-from transforms.write_to_kafka import WriteToKafka, _chunks, _ToRecord
+from transforms.write_to_kafka import WriteToKafka, _chunks, _RecordMaker, _ToRecord
 
 DSN = "postgresql://postgres@127.0.0.1:5432/beamflow"
 
@@ -128,13 +128,15 @@ def test_elements_become_records_with_their_event_time_or_dead_letters() -> None
             p | beam.Create([{"u": "a", "n": 1}, {"u": None, "n": 2}]) | beam.Map(lambda e: TimestampedValue(e, 12.5))
         )
         out = elements | beam.ParDo(
-            _ToRecord(lambda e: e["u"].encode(), lambda e: str(e["n"]), lambda e: f"id-{e['n']}")
+            _ToRecord(_RecordMaker(lambda e: e["u"].encode(), lambda e: str(e["n"]), lambda e: f"id-{e['n']}"))
         ).with_outputs(DEAD_LETTERS, main="records")
         assert_that(out.records | beam.Map(describe), equal_to([(b"a", b"1", "id-1", 12500)]), label="records")
         reasons = out[DEAD_LETTERS] | beam.Map(lambda d: (d.stage, d.error, d.reason.startswith("cannot make")))
         assert_that(reasons, equal_to([("write_to_kafka", "AttributeError", True)]), label="dead")
         given = p | "Given" >> beam.Create([ProducerRecord(b"v", b"k", record_id="r")])
-        passed = given | "Pass" >> beam.ParDo(_ToRecord(None, None, None)).with_outputs(DEAD_LETTERS, main="records")
+        passed = given | "Pass" >> beam.ParDo(_ToRecord(_RecordMaker(None, None, None))).with_outputs(
+            DEAD_LETTERS, main="records"
+        )
         assert_that(
             passed.records | "Describe" >> beam.Map(describe), equal_to([(b"k", b"v", "r", None)]), label="as is"
         )
