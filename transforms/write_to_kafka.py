@@ -127,11 +127,14 @@ def _unmakeable(element: Any, exc: Exception) -> DeadLetter:
     return DeadLetter(encode_payload(element), _STAGE, f"cannot make a Kafka record: {exc}", error=type(exc).__name__)
 
 
-class _ToRecord(beam.DoFn):
-    """Element -> ProducerRecord, else a dead letter (exactly-once: the records are sharded before the writer)."""
+class _ToShardedRecord(beam.DoFn):
+    """Element -> (shard, the record as a plain tuple), else a dead letter (exactly-once: records are grouped per shard
+    before the writer). Tuples of bytes, str and int cross the shuffle through the fast coder's native path, where a
+    dataclass would be pickled one by one (the writer makes records of them again); one step makes and shards them."""
 
-    def __init__(self, make: _RecordMaker) -> None:
+    def __init__(self, make: _RecordMaker, shards: int) -> None:
         self._make = make
+        self._shards = shards
 
     def process(self, element: Any, windowed: Any = beam.DoFn.WindowedValueParam) -> Iterator[Any]:
         try:
@@ -140,7 +143,10 @@ class _ToRecord(beam.DoFn):
         except Exception as exc:  # the element's own fault: it cannot become a record
             yield TaggedOutput(DEAD_LETTERS, _unmakeable(element, exc))
             return
-        yield record
+        yield (
+            shard_of(record, self._shards),
+            (record.value, record.key, record.headers, record.record_id, record.timestamp_ms),
+        )
 
 
 def _chunks(group: tuple[int, Iterable[Any]], size: int) -> Iterator[tuple[int, list[Any]]]:
@@ -154,20 +160,6 @@ def _chunks(group: tuple[int, Iterable[Any]], size: int) -> Iterator[tuple[int, 
             chunk = []
     if chunk:
         yield shard, chunk
-
-
-class _Shard(beam.DoFn):
-    """(shard, the record as a plain tuple): tuples of bytes, str and int cross the shuffle through the fast coder's
-    native path, where a dataclass would be pickled one by one (the writer makes records of them again)."""
-
-    def __init__(self, shards: int) -> None:
-        self._shards = shards
-
-    def process(self, record: ProducerRecord) -> Iterator[tuple[int, tuple[Any, ...]]]:
-        yield (
-            shard_of(record, self._shards),
-            (record.value, record.key, record.headers, record.record_id, record.timestamp_ms),
-        )
 
 
 # ---- the two sink DoFns ----------------------------------------------------------------------------------------
@@ -518,15 +510,15 @@ class WriteToKafka(beam.PTransform):
                 elements, _IdempotentFn(self.bootstrap, self.topic, self.producer_config, self.timeout_s, self._make)
             )
         assert self.sink_group and self.ledger_dsn and self.shards
-        records = elements | "ToRecords" >> beam.ParDo(_ToRecord(self._make)).with_outputs(DEAD_LETTERS, main="records")
+        records = elements | "ToRecords" >> beam.ParDo(_ToShardedRecord(self._make, self.shards)).with_output_types(
+            tuple[int, Any]
+        ).with_outputs(DEAD_LETTERS, main="records")
         # One place per shard: the grouping is keyed, so a shard's batches all come from the one worker that owns its
-        # key, and the writer (fused after it) commits each before the bundle ends. The global window first: groups
-        # are per window, and event-time windows would cut them into tiny transactions.
-        sharded = (
-            records.records
-            | "Shard" >> beam.ParDo(_Shard(self.shards)).with_output_types(tuple[int, Any])
-            | "GlobalWindow" >> beam.WindowInto(GlobalWindows())
-        )
+        # key, and the writer (fused after it) commits each before the bundle ends. In the global window: groups are
+        # per window, and event-time windows would cut them into tiny transactions.
+        sharded = records.records
+        if not isinstance(elements.windowing.windowfn, GlobalWindows):
+            sharded = sharded | "GlobalWindow" >> beam.WindowInto(GlobalWindows())
         if elements.is_bounded:
             # Bounded input ends: one group per shard at the end, cut into transactions of batch_size where it is
             # written. GroupIntoBatches would keep every element in state on the way (a state call per element: twice

@@ -22,7 +22,7 @@ from beamflow.kafka.producer import (
 )
 from runners.direct import local_options
 from transforms.sink_base import DEAD_LETTERS
-from transforms.write_to_kafka import WriteToKafka, _chunks, _RecordMaker, _ToRecord
+from transforms.write_to_kafka import WriteToKafka, _chunks, _RecordMaker, _ToShardedRecord
 
 DSN = "postgresql://postgres@127.0.0.1:5432/beamflow"
 
@@ -120,21 +120,25 @@ def test_configurations_that_cannot_be_safe_are_refused(kwargs: dict[str, Any], 
 
 
 def test_elements_become_records_with_their_event_time_or_dead_letters() -> None:
-    def describe(r: ProducerRecord) -> tuple[Any, ...]:
-        return (r.key, r.value, r.record_id, r.timestamp_ms)
+    def describe(sharded: tuple[int, tuple[Any, ...]]) -> tuple[Any, ...]:
+        shard, (value, key, _headers, record_id, timestamp_ms) = sharded
+        assert 0 <= shard < 3
+        return (key, value, record_id, timestamp_ms)
 
     with beam.Pipeline(options=local_options()) as p:
         elements = (
             p | beam.Create([{"u": "a", "n": 1}, {"u": None, "n": 2}]) | beam.Map(lambda e: TimestampedValue(e, 12.5))
         )
         out = elements | beam.ParDo(
-            _ToRecord(_RecordMaker(lambda e: e["u"].encode(), lambda e: str(e["n"]), lambda e: f"id-{e['n']}"))
+            _ToShardedRecord(
+                _RecordMaker(lambda e: e["u"].encode(), lambda e: str(e["n"]), lambda e: f"id-{e['n']}"), 3
+            )
         ).with_outputs(DEAD_LETTERS, main="records")
         assert_that(out.records | beam.Map(describe), equal_to([(b"a", b"1", "id-1", 12500)]), label="records")
         reasons = out[DEAD_LETTERS] | beam.Map(lambda d: (d.stage, d.error, d.reason.startswith("cannot make")))
         assert_that(reasons, equal_to([("write_to_kafka", "AttributeError", True)]), label="dead")
         given = p | "Given" >> beam.Create([ProducerRecord(b"v", b"k", record_id="r")])
-        passed = given | "Pass" >> beam.ParDo(_ToRecord(_RecordMaker(None, None, None))).with_outputs(
+        passed = given | "Pass" >> beam.ParDo(_ToShardedRecord(_RecordMaker(None, None, None), 3)).with_outputs(
             DEAD_LETTERS, main="records"
         )
         assert_that(
