@@ -316,8 +316,8 @@ def _produce(producer: Any, topic: str, record: ProducerRecord, on_delivery: Cal
         except Exception as exc:
             from confluent_kafka import KafkaError
 
-            error = exc.args[0] if exc.args else None
-            if hasattr(error, "code") and error.code() == KafkaError.MSG_SIZE_TOO_LARGE:
+            error: Any = exc.args[0] if exc.args else None
+            if isinstance(error, KafkaError) and error.code() == KafkaError.MSG_SIZE_TOO_LARGE:
                 raise _TooLarge(error.str()) from exc
             raise
 
