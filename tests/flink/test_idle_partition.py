@@ -59,10 +59,19 @@ class IdleJob:
         return rows
 
     def diagnosis(self) -> str:
+        # Watermarks, records in and out per vertex and the read's own counters: a failure says whether the reads
+        # read nothing (one clean-clone run fired no pane, with no residual in the read's checkpoint), or read and the
+        # watermark held, or the windows dropped everything as late.
         lines = [f"state {self.rest.job_state(self.job_id)}"]
         for vertex in self.rest.job(self.job_id).get("vertices", []):
             marks = self.rest._request("GET", f"/jobs/{self.job_id}/vertices/{vertex['id']}/watermarks")
-            lines.append(f"  {vertex['status']} watermarks {[m['value'] for m in marks]} {vertex['name'][:90]}")
+            metrics = vertex.get("metrics") or {}
+            lines.append(
+                f"  {vertex['status']} watermarks {[m['value'] for m in marks]} records in/out "
+                f"{metrics.get('read-records')}/{metrics.get('write-records')} {vertex['name'][:90]}"
+            )
+        counters, _ = beam_metrics(self.rest, self.job_id)
+        lines.append(f"  beam counters {dict(sorted(counters.items()))}")
         return "\n".join(lines)
 
 
