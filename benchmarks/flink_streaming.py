@@ -42,6 +42,7 @@ import time
 import uuid
 from collections import Counter, defaultdict
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 GOALS = {"p2_over_p1": 1.7, "p1_over_direct": 0.5, "checkpoint_over_interval": 1.0, "iceberg_p99_over_2x_interval": 1.0}
@@ -925,31 +926,31 @@ def plot(figures: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
-def _job_overrides(pairs: list[str]) -> dict[str, dict[str, Any]]:
-    """``SECTION.KEY=VALUE`` pairs as settings of the job's other sections (``kafka.max_bundle_records=5000``)."""
+def _settings(pairs: list[str], flag: str) -> Iterator[tuple[str, Any]]:
+    """``KEY=VALUE`` pairs as (key, value), each value read as YAML (``3000`` is an int, ``true`` a bool)."""
     import yaml
 
-    overrides: dict[str, dict[str, Any]] = {}
     for pair in pairs:
-        dotted, sep, value = pair.partition("=")
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"{flag} takes KEY=VALUE, not {pair!r}")
+        yield key, yaml.safe_load(value)
+
+
+def _job_overrides(pairs: list[str]) -> dict[str, dict[str, Any]]:
+    """``SECTION.KEY=VALUE`` pairs as settings of the job's other sections (``kafka.max_bundle_records=5000``)."""
+    overrides: dict[str, dict[str, Any]] = {}
+    for dotted, value in _settings(pairs, "--job-set"):
         section, dot, key = dotted.partition(".")
-        if not sep or not dot or not key or section == "flink":
-            raise SystemExit(f"--job-set takes SECTION.KEY=VALUE (not flink.*: --flink-set), not {pair!r}")
-        overrides.setdefault(section, {})[key] = yaml.safe_load(value)
+        if not dot or not key or section == "flink":
+            raise SystemExit(f"--job-set takes SECTION.KEY=VALUE (not flink.*: --flink-set), not {dotted!r}")
+        overrides.setdefault(section, {})[key] = value
     return overrides
 
 
 def _flink_overrides(pairs: list[str]) -> dict[str, Any]:
-    """``KEY=VALUE`` pairs as flink: settings, each value read as YAML (``3000`` is an int, ``true`` a bool)."""
-    import yaml
-
-    overrides: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"--flink-set takes KEY=VALUE, not {pair!r}")
-        overrides[key.removeprefix("flink.")] = yaml.safe_load(value)
-    return overrides
+    """``KEY=VALUE`` pairs as flink: settings."""
+    return {key.removeprefix("flink."): value for key, value in _settings(pairs, "--flink-set")}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -335,8 +335,7 @@ class _IdempotentFn(SinkFn):
         try:
             record = self._make(element, self.element_micros)
         except Exception as exc:  # the element's own fault: it cannot become a record
-            self._dead.inc()
-            return [_unmakeable(element, exc)]
+            return [_unmakeable(element, exc)]  # not in the sink's dead_letters counter, as in exactly-once mode
         dead = self._writer.add(record)
         if dead:
             self._dead.inc(len(dead))
