@@ -41,8 +41,8 @@ import threading
 import time
 import uuid
 from collections import Counter, defaultdict
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 GOALS = {"p2_over_p1": 1.7, "p1_over_direct": 0.5, "checkpoint_over_interval": 1.0, "iceberg_p99_over_2x_interval": 1.0}
