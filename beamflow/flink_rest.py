@@ -83,6 +83,12 @@ class FlinkRest:
         rows = self._request("GET", f"/taskmanagers/{taskmanager_id}/metrics?get={','.join(names)}")
         return {row["id"]: float(row["value"]) for row in rows or [] if row.get("value") not in (None, "")}
 
+    def taskmanager_thread_dump(self, taskmanager_id: str) -> dict[str, str]:
+        """Thread name -> its state and stack (``/taskmanagers/:id/thread-dump``; frames per thread are capped by the
+        cluster's ``cluster.thread-dump.stacktrace-max-depth``)."""
+        rows = self._request("GET", f"/taskmanagers/{taskmanager_id}/thread-dump").get("threadInfos", [])
+        return {row["threadName"]: row["stringifiedThreadInfo"] for row in rows}
+
     def jobmanager_classpath(self) -> list[str]:
         """The JobManager JVM's classpath, in load order (``/jobmanager/environment``, Flink 1.17+)."""
         return list(self._request("GET", "/jobmanager/environment").get("classpath") or [])

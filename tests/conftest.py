@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from beamflow.kafka.pool import PROCESS_POOL
 from beamflow.services import ServiceSet, ServiceState
 from beamflow.services.paths import cache_dir, project_root
 
@@ -32,6 +33,8 @@ def service_set() -> Iterator[ServiceSet]:
     # gone they would log into pytest's closed capture streams. Their reconnect noise says nothing about the run.
     logging.getLogger("kafka").setLevel(logging.CRITICAL)
     logging.raiseExceptions = False
+    # The reads' pooled consumers (confluent-kafka) would log every failed reconnect to stderr until the process ends.
+    PROCESS_POOL.close()
     # Stop in reverse start order; no orphan JVMs or postgres after the run.
     if started:
         services.down(started)

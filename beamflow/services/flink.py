@@ -171,6 +171,9 @@ DEFAULT_SETTINGS: dict[str, Any] = {
     # buffers up front; Flink's 512 exceeded the local TaskManager's 4,096 at parallelism 2 ("Insufficient number of
     # network buffers") and made the job fail over once.
     "taskmanager.network.sort-shuffle.min-buffers": 64,
+    # A thread dump (web UI, REST) shows 8 frames per thread by default: too few to see where a task thread waits
+    # inside Beam's runner (the SDK harness, the bundle, the state backend).
+    "cluster.thread-dump.stacktrace-max-depth": 48,
 }
 
 

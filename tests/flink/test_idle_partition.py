@@ -50,6 +50,7 @@ class IdleJob:
     out: Path
     bootstrap: str
     topic: str
+    log_dir: Path
 
     def panes(self, branch: str) -> list[dict[str, Any]]:
         folder = self.out / branch
@@ -72,7 +73,33 @@ class IdleJob:
             )
         counters, _ = beam_metrics(self.rest, self.job_id)
         lines.append(f"  beam counters {dict(sorted(counters.items()))}")
+        lines.extend(self._where_tasks_wait())
+        lines.extend(self._beam_log_lines())
         return "\n".join(lines)
+
+    def _where_tasks_wait(self) -> list[str]:
+        # One failing run showed a harness that connected and never got a bundle: where each task thread (and the
+        # Impulse's source thread) waits tells a stuck network exchange from a task blocked inside Beam's runner.
+        vertex_names = [v["name"] for v in self.rest.job(self.job_id).get("vertices", [])]
+        lines = []
+        for tm in self.rest.taskmanagers():
+            dump = self.rest.taskmanager_thread_dump(tm["id"])
+            (self.out / f"threads-{tm['id'][:20]}.txt").write_text("\n".join(dump.values()))
+            for name, stack in sorted(dump.items()):
+                if "Legacy Source Thread" in name or any(name.startswith(v[:40]) for v in vertex_names):
+                    frames = [f.strip() for f in stack.splitlines()[1:] if f.strip().startswith("at ")][:12]
+                    lines.append(f"  thread {name[:100]} {stack.splitlines()[0][-40:]}")
+                    lines.extend(f"      {frame[:160]}" for frame in frames)
+        return lines
+
+    def _beam_log_lines(self) -> list[str]:
+        wanted = ("Control client", "getProcessBundleDescriptor", "Still waiting", "Closing environment", "ERROR")
+        lines = []
+        for log in sorted(self.log_dir.glob("taskmanager-*.out")):
+            text = log.read_text(errors="replace").splitlines()
+            lines.append(f"  {log.name}:")
+            lines.extend([f"    {line[:220]}" for line in text[-4000:] if any(w in line for w in wanted)][-40:])
+        return lines
 
 
 def _all_tasks_running(rest: FlinkRest, job_id: str) -> bool:
@@ -97,7 +124,7 @@ def idle_job(kafka: ServiceState, flink: ServiceState, tmp_path_factory: pytest.
     assert code == 0, (out / "submit.log").read_text()[-3000:]
     rest = FlinkRest(flink.info["rest_url"])
     job_id = next(j.job_id for j in rest.jobs() if j.name == job_name)
-    job = IdleJob(rest, job_id, out, bootstrap, topic)
+    job = IdleJob(rest, job_id, out, bootstrap, topic, Path(flink.info["conf_dir"]).parent / "log")
     try:
         deadline = time.monotonic() + 300  # Flink says RUNNING before every task has a slot and runs
         while not _all_tasks_running(rest, job_id):
