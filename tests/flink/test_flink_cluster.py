@@ -74,8 +74,10 @@ def test_streaming_pipeline_with_checkpoints_runs_on_the_session_cluster(flink: 
     job_id = _wait_for_job(rest, job_name)
     rest.wait_for_state(job_id, {"RUNNING", "FINISHED"}, timeout=300)
     blobs = job_blobs(flink, job_id)
-    assert blobs, "no blob store holds the job's marker jar"
-    assert all(len(sizes) == 1 for sizes in blobs.values()), blobs
+    assert any(len(sizes) == 1 for sizes in blobs.values()), f"no blob store holds the job's marker jar: {blobs}"
+    # A store may hold none: a TaskManager still downloading, or already cleaning up after its tasks finished (seen
+    # on a loaded machine). None holds more than the one jar.
+    assert all(len(sizes) <= 1 for sizes in blobs.values()), blobs
     assert sum(map(sum, blobs.values())) < 10_000, blobs
     assert result.wait_until_finish() == PipelineState.DONE
 

@@ -63,7 +63,11 @@ class IdleJob:
         # Watermarks, records in and out per vertex and the read's own counters: a failure says whether the reads
         # read nothing (one clean-clone run fired no pane, with no residual in the read's checkpoint), or read and the
         # watermark held, or the windows dropped everything as late.
-        lines = [f"state {self.rest.job_state(self.job_id)}"]
+        checkpoints = self.rest.completed_checkpoints(self.job_id)
+        lines = [f"state {self.rest.job_state(self.job_id)}, {checkpoints} checkpoints"]
+        # A failover resets Flink's per-attempt metrics and restores the Impulse as already emitted.
+        history = self.rest.job_exceptions(self.job_id).get("exceptionHistory", {}).get("entries", [])
+        lines.extend(f"  failover: {e.get('exceptionName')} {str(e.get('stacktrace'))[:300]}" for e in history[:3])
         for vertex in self.rest.job(self.job_id).get("vertices", []):
             marks = self.rest._request("GET", f"/jobs/{self.job_id}/vertices/{vertex['id']}/watermarks")
             metrics = vertex.get("metrics") or {}
