@@ -16,7 +16,18 @@ the same idea is applied here to 2.62's own sources:
   read and cleared, so a restore from it continues the read instead of dropping its restriction;
 * the batch function (``FlinkExecutableStageFunction``) reads the map the same way.
 
-How: the three source files are taken from Beam's ``-sources`` jars on Maven Central, each edit must match exactly
+The same jar carries a second fix (``WATERMARK_ORDER_PATCHES``): Beam 2.62's ``ExecutableStageDoFnOperator`` holds
+the watermark while a bundle runs and advances it from the bundle's finish callback. When a checkpoint barrier
+finishes that bundle, ``DoFnOperator.snapshotState`` buffers the bundle's output (the barrier has already gone
+downstream) and the callback then emits the held watermark at once, ahead of the buffered output, which reaches the
+next operator late or, if nothing else ever reaches this operator, never. Seen as a streaming read that started and
+never read: its Impulse's element started the first bundle, the +inf watermark came right behind it, a barrier
+finished the bundle, and the partitions it had found stayed in the buffer while +inf ran through the whole job
+(``tests/flink/test_watermark_order.py`` makes the moment certain: the unpatched runner loses the bundle's output
+every time). Patched: while the buffer is open, the callback schedules the watermark for after the snapshot, when
+``processWatermark1`` flushes the buffer before it emits the watermark.
+
+How: the source files are taken from Beam's ``-sources`` jars on Maven Central, each edit must match exactly
 once (else one error line: a new Beam must not build unpatched), the files are compiled against the job server's
 classpath and jarred as ``0-beamflow-sdf-residuals.jar``, which ``FlinkService`` puts first in the cluster's
 ``lib/`` and on the job server's classpath (Flink's ``config.sh`` loads ``lib/`` in sorted order; jobs ship no Beam
@@ -40,8 +51,10 @@ from beamflow.services.fetch import maven_artifact
 from beamflow.services.gobuild import SourcePatch, patched_text
 
 __all__ = [
+    "RUNNER_PATCHES",
     "SDF_RESIDUALS_JAR",
     "SDF_RESIDUAL_PATCHES",
+    "WATERMARK_ORDER_PATCHES",
     "CheckpointResidualStates",
     "checkpoint_residual_states",
     "sdf_residual_sources",
@@ -54,12 +67,14 @@ RESIDUALS_STATE_ID = "beamflow_sdf_residuals"
 _HANDLER = "org/apache/beam/runners/fnexecution/control/BundleCheckpointHandlers.java"
 _OPERATOR = "org/apache/beam/runners/flink/translation/wrappers/streaming/ExecutableStageDoFnOperator.java"
 _BATCH = "org/apache/beam/runners/flink/translation/functions/FlinkExecutableStageFunction.java"
+_DOFN_OPERATOR = "org/apache/beam/runners/flink/translation/wrappers/streaming/DoFnOperator.java"
 
 # Which sources jar holds which file (artifact ids of Maven Central).
 _SOURCE_ARTIFACTS = {
     _HANDLER: "beam-runners-java-fn-execution",
     _OPERATOR: "beam-runners-flink-1.19",
     _BATCH: "beam-runners-flink-1.19",
+    _DOFN_OPERATOR: "beam-runners-flink-1.19",
 }
 
 SDF_RESIDUAL_PATCHES: tuple[SourcePatch, ...] = (
@@ -132,12 +147,47 @@ SDF_RESIDUAL_PATCHES: tuple[SourcePatch, ...] = (
 )
 
 
+# The second fix the jar carries: a bundle's output must never fall behind the watermark (see the module docstring).
+WATERMARK_ORDER_PATCHES: tuple[SourcePatch, ...] = (
+    SourcePatch(_DOFN_OPERATOR, "import edu.umd.cs.findbugs.annotations.SuppressFBWarnings;\n", ""),
+    SourcePatch(_DOFN_OPERATOR, '@SuppressFBWarnings("SE_TRANSIENT_FIELD_NOT_RESTORED")\n', ""),
+    SourcePatch(_DOFN_OPERATOR, '  @SuppressFBWarnings("VO_VOLATILE_INCREMENT")\n', ""),
+    SourcePatch(
+        _DOFN_OPERATOR,
+        "    void closeBuffer() {\n",
+        "    /** beamflow: true while snapshotState() buffers a finishing bundle's output. */\n"
+        "    boolean isBufferOpen() {\n"
+        "      return openBuffer;\n"
+        "    }\n"
+        "\n"
+        "    void closeBuffer() {\n",
+    ),
+    SourcePatch(
+        _OPERATOR,
+        "      if (!closed\n"
+        "          && minEventTimeTimerTimestampInLastBundle < Long.MAX_VALUE\n"
+        "          && minEventTimeTimerTimestampInLastBundle <= getEffectiveInputWatermark()) {\n",
+        "      // beamflow: a bundle finished by snapshotState() has its output buffered until the snapshot is\n"
+        "      // taken; advancing the watermark now would send it downstream ahead of that output, which then\n"
+        "      // arrives late (a final +inf watermark made the output of a read's first bundle vanish). After the\n"
+        "      // snapshot, processWatermark1 flushes the buffer first and then emits the watermark.\n"
+        "      if (!closed\n"
+        "          && (outputManager.isBufferOpen()\n"
+        "              || (minEventTimeTimerTimestampInLastBundle < Long.MAX_VALUE\n"
+        "                  && minEventTimeTimerTimestampInLastBundle <= getEffectiveInputWatermark()))) {\n",
+    ),
+)
+
+# Every patch of the jar, in order (several touch one file).
+RUNNER_PATCHES: tuple[SourcePatch, ...] = SDF_RESIDUAL_PATCHES + WATERMARK_ORDER_PATCHES
+
+
 def sdf_residual_sources(beam_version: str, cache_dir: Path) -> Path:
     """A folder holding the three Java files of Beam ``beam_version`` with ``SDF_RESIDUAL_PATCHES`` applied:
     ``<cache>/beam-patches/sdf-residuals-<version>`` (a fixed path: docs/deploying/Dockerfile compiles it too),
     rewritten when the patches change (its ``.patches`` file holds their hash)."""
     key = hashlib.sha256(
-        json.dumps([beam_version, [[p.file, p.old, p.new] for p in SDF_RESIDUAL_PATCHES]]).encode()
+        json.dumps([beam_version, [[p.file, p.old, p.new] for p in RUNNER_PATCHES]]).encode()
     ).hexdigest()[:16]
     target = cache_dir / "beam-patches" / f"sdf-residuals-{beam_version}"
     stamp = target / ".patches"
@@ -156,7 +206,7 @@ def sdf_residual_sources(beam_version: str, cache_dir: Path) -> Path:
                 ) from None
         (staging / file).parent.mkdir(parents=True, exist_ok=True)
         (staging / file).write_text(text)
-    for patch in SDF_RESIDUAL_PATCHES:  # in order; several patches touch one file
+    for patch in RUNNER_PATCHES:  # in order; several patches touch one file
         (staging / patch.file).write_text(patched_text(staging, patch, "beam", beam_version))
     (staging / ".patches").write_text(key + "\n")
     shutil.rmtree(target, ignore_errors=True)

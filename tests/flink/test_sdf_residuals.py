@@ -18,7 +18,7 @@ import pytest
 from beamflow.doctor import check_flink_classpath
 from beamflow.flink_rest import FlinkRest
 from beamflow.services import ServiceState
-from beamflow.services.beam_patches import RESIDUALS_STATE_ID, SDF_RESIDUAL_PATCHES, SDF_RESIDUALS_JAR
+from beamflow.services.beam_patches import RESIDUALS_STATE_ID, RUNNER_PATCHES, SDF_RESIDUALS_JAR
 from beamflow.services.flink import FlinkService, compile_java
 from beamflow.services.paths import cache_dir
 
@@ -70,4 +70,4 @@ def test_doctor_reads_the_fix_from_the_running_cluster(flink: ServiceState) -> N
 
 def test_every_patch_site_is_in_the_sources() -> None:
     # The jar above was built, so every site matched exactly once; a patch that changed nothing would be a no-op.
-    assert all(patch.old != patch.new for patch in SDF_RESIDUAL_PATCHES)
+    assert all(patch.old != patch.new for patch in RUNNER_PATCHES)
