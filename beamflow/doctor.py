@@ -601,7 +601,9 @@ def check_flink_classpath(classpath: list[str], partitions: int | None) -> list[
             f"a day at {partitions or 1} partitions): {SDF_RESIDUALS_JAR} {where} on its classpath",
             "Beam 2.62's portable Flink runner keeps every residual a splittable DoFn defers in a keyed value state "
             "of its own and never clears it (apache/beam#27648, fixed upstream after 2.62 by apache/beam#39191); "
-            "each read call of each partition leaves one behind",
+            "each read call of each partition leaves one behind; the same jar keeps a bundle that a checkpoint "
+            "barrier finished from being overtaken by the watermark (without it a streaming read can start and "
+            "never read, and on-time records can arrive late at a window)",
             f"put {SDF_RESIDUALS_JAR} (FlinkService.sdf_residuals_jar(), built by `beamflow services up flink`) in the "
             "cluster's lib/ and on the job server's classpath, both ahead of Beam's jars (docs/deploying.md)",
         )
