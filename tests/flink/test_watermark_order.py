@@ -27,10 +27,11 @@ from beamflow.flink_rest import FlinkRest, FlinkRestError
 from beamflow.services import ServiceState
 from beamflow.services.flink import FlinkService
 from beamflow.services.paths import cache_dir, project_root
+from tests.flink.watermark_order_job import ELEMENTS, KEYS
 
 pytestmark = pytest.mark.flink
 
-EXPECTED = {key: [i for i in range(40) if i % 4 == key] for key in range(4)}
+EXPECTED = {key: [i for i in range(ELEMENTS) if i % KEYS == key] for key in range(KEYS)}
 
 
 def _run_job(state: ServiceState, out: Path) -> dict[int, list[int]]:

@@ -17,15 +17,17 @@ from typing import Any
 import apache_beam as beam
 
 ELEMENTS = 40
+KEYS = 4
 
 
 class SlowFirstBundle(beam.DoFn):
     """From the impulse: waits until ``gate`` exists (the test creates it once a checkpoint is under way, so the
     barrier finishes this very bundle), then emits the elements."""
 
-    def __init__(self, gate: str, elements: int) -> None:
+    def __init__(self, gate: str, elements: int, keys: int) -> None:
         self.gate = gate
         self.elements = elements
+        self.keys = keys
 
     def process(self, _impulse: bytes) -> Iterator[tuple[int, int]]:
         import os
@@ -35,7 +37,7 @@ class SlowFirstBundle(beam.DoFn):
         while not os.path.exists(self.gate) and time.monotonic() < deadline:
             time.sleep(0.05)
         for i in range(self.elements):
-            yield i % 4, i
+            yield i % self.keys, i
 
 
 class WriteGroup(beam.DoFn):
@@ -71,7 +73,7 @@ def main(state_json: str, out_dir: str, job_name: str) -> None:
         _ = (
             p
             | "Impulse" >> beam.Impulse()
-            | "Slow" >> beam.ParDo(SlowFirstBundle(os.path.join(out_dir, "gate"), ELEMENTS))
+            | "Slow" >> beam.ParDo(SlowFirstBundle(os.path.join(out_dir, "gate"), ELEMENTS, KEYS))
             # A GroupByKey in the global window fires at the +inf watermark: what arrives after it is dropped.
             | "Group" >> beam.GroupByKey()
             | "Write" >> beam.ParDo(WriteGroup(out_dir))
