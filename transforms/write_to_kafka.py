@@ -5,7 +5,8 @@ Signature (kept simple and stable: ``pipelines/rides.py`` builds on it):
     ``WriteToKafka(bootstrap, topic, *, mode="exactly-once" | "at-least-once",
                  sink_group=None, ledger_dsn=None, ledger_table="kafka_sink_ledger", shards=None,
                  producer_config=None, key_fn=None, value_fn=None, id_fn=None, batch_size=1000,
-                 max_buffering_s=1.0, ledger_retention_s=7 * 86400, timeout_s=60.0)``
+                 max_buffering_s=1.0, ledger_retention_s=7 * 86400, timeout_s=60.0,
+                 max_in_flight_bytes=64 * 1024 * 1024)``
 
 Elements are ``beamflow.kafka.producer.ProducerRecord`` or anything ``key_fn``/``value_fn`` turn into key and value
 (bytes or str). The engine is ``beamflow/kafka/producer.py`` (no Beam); its module docstring gives the design.
@@ -187,8 +188,10 @@ class _TransactionalFn(SinkFn):
         producer_config: dict[str, Any],
         retention_s: float,
         timeout_s: float,
+        max_in_flight_bytes: int,
     ) -> None:
         super().__init__()
+        self._max_in_flight_bytes = max_in_flight_bytes
         self._bootstrap = bootstrap
         self._topic = topic
         self._sink_group = sink_group
@@ -215,7 +218,8 @@ class _TransactionalFn(SinkFn):
         self._limit = fetch_size_limit(self._bootstrap, self._topic, config, _STAGE)
         self._ledger = _ledger(self._ledger_dsn, self._ledger_table, self._retention_s, self._shards)
         self._threads: dict[int, ThreadPoolExecutor] = {}
-        self._pending: list[Future[tuple[int, int, int, list[DeadLetter]]]] = []
+        self._pending: list[tuple[Future[tuple[int, int, int, list[DeadLetter]]], int]] = []
+        self._in_flight_bytes = 0
 
     def _writer(self, shard: int) -> tuple[ExactlyOnceShardWriter, threading.Lock]:
         key = (self._bootstrap, self._topic, self._sink_group, shard, self._ledger_dsn, self._ledger_table)
@@ -248,11 +252,18 @@ class _TransactionalFn(SinkFn):
         if shard not in self._threads:
             self._threads[shard] = ThreadPoolExecutor(1, thread_name_prefix=f"kafka-shard-{shard}")
         records = [ProducerRecord(*fields) for fields in batch]
-        self._pending.append(self._threads[shard].submit(self._write, shard, records))
+        size = sum(len(r.value or b"") + len(r.key or b"") for r in records)
+        self._pending.append((self._threads[shard].submit(self._write, shard, records), size))
+        self._in_flight_bytes += size
         outputs: list[Any] = []
-        while len(self._pending) > 2 * len(self._threads):  # bounded: a bundle's batches are not all held at once
+        # Bounded by bytes, not by batches: bounded input arrives one shard's whole group after another, so a bound
+        # of a few batches would leave every shard but the current one idle (the shards written one after another,
+        # as slow as one producer). Up to the bound, the next shards' batches start while the first is still written.
+        while self._pending and self._in_flight_bytes > self._max_in_flight_bytes:
+            future, size = self._pending.pop(0)
+            self._in_flight_bytes -= size
             try:
-                outputs.extend(self._collect(self._pending.pop(0)))
+                outputs.extend(self._collect(future))
             except Exception:
                 self.flush_quietly()
                 raise
@@ -261,7 +272,8 @@ class _TransactionalFn(SinkFn):
     def flush_quietly(self) -> None:
         """Waits for every write in flight, dropping their outcome (the bundle is failing anyway)."""
         pending, self._pending = self._pending, []
-        wait(pending)
+        self._in_flight_bytes = 0
+        wait([future for future, _ in pending])
 
     def _write(self, shard: int, batch: list[ProducerRecord]) -> tuple[int, int, int, list[DeadLetter]]:
         writer, lock = self._writer(shard)
@@ -280,9 +292,11 @@ class _TransactionalFn(SinkFn):
 
     def flush(self) -> list[Any]:
         pending, self._pending = self._pending, []
-        wait(pending)  # all of them, even after a failure: none may still be writing when the bundle fails
+        self._in_flight_bytes = 0
+        futures = [future for future, _ in pending]
+        wait(futures)  # all of them, even after a failure: none may still be writing when the bundle fails
         outputs: list[Any] = []
-        for future in pending:
+        for future in futures:
             outputs.extend(self._collect(future))  # raises the first failure: the bundle fails and is retried
         return outputs
 
@@ -459,6 +473,7 @@ class WriteToKafka(beam.PTransform):
         max_buffering_s: float | None = 1.0,
         ledger_retention_s: float = 7 * 86400,
         timeout_s: float = 60.0,
+        max_in_flight_bytes: int = 64 * 1024 * 1024,
     ) -> None:
         super().__init__()
         if mode not in MODES:
@@ -478,6 +493,8 @@ class WriteToKafka(beam.PTransform):
                     f"WriteToKafka: ledger_retention_s={ledger_retention_s} is under {_MIN_RETENTION_S:.0f}: a replay "
                     "after its ids are pruned would be written again"
                 )
+            if max_in_flight_bytes < 1:
+                raise ValueError("WriteToKafka: max_in_flight_bytes must be >= 1")
             if batch_size < 1 or (max_buffering_s is not None and max_buffering_s <= 0):
                 raise ValueError("WriteToKafka: batch_size must be >= 1 and max_buffering_s > 0 (or None)")
         elif sink_group or ledger_dsn or shards:
@@ -496,6 +513,7 @@ class WriteToKafka(beam.PTransform):
         self.max_buffering_s = max_buffering_s
         self.ledger_retention_s = ledger_retention_s
         self.timeout_s = timeout_s
+        self.max_in_flight_bytes = max_in_flight_bytes
         self._make = _RecordMaker(key_fn, value_fn, id_fn)
         if mode == "exactly-once":
             from beamflow.postgres.table import validate_identifier
@@ -539,6 +557,7 @@ class WriteToKafka(beam.PTransform):
                 self.producer_config,
                 self.ledger_retention_s,
                 self.timeout_s,
+                self.max_in_flight_bytes,
             ),
         )
         dead = (records[DEAD_LETTERS], written.dead_letters) | "DeadLetters" >> beam.Flatten()

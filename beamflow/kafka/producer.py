@@ -505,13 +505,23 @@ class ExactlyOnceShardWriter:
     def _phase(self, name: str) -> None:
         """Called at each step of a write ("claimed", "produced", "committed", "done"); tests kill the process here."""
 
-    def _already_written(self, conn: Any, keys: list[str]) -> set[str]:
-        """The ledger keys among ``keys`` that this sink group has written (a test overrides it to break the sink)."""
+    def _claim_ids(self, conn: Any, keys: list[str], attempt: int) -> list[str]:
+        """Records under ``attempt`` those of ``keys`` the ledger does not hold yet and returns them (the others are
+        replays); if any, registers the attempt and marks the shard pending with it. One statement, one round trip:
+        each id is looked up and inserted by one index probe. (A test overrides it to break the sink.)"""
+        table = self.ledger.table
         rows = conn.execute(
-            f"SELECT record_key FROM {self.ledger.table} WHERE sink_group = %s AND record_key = ANY(%s)",
-            (self.sink_group, keys),
+            f"WITH new AS (INSERT INTO {table} (sink_group, record_key, shard, attempt) "
+            "SELECT %(group)s, k, %(shard)s, %(attempt)s FROM unnest(%(keys)s::text[]) AS k "
+            "ON CONFLICT DO NOTHING RETURNING record_key), "
+            f"registered AS (INSERT INTO {table}_attempts (sink_group, shard, attempt) "
+            "SELECT %(group)s, %(shard)s, %(attempt)s WHERE EXISTS (SELECT 1 FROM new)), "
+            f"pending AS (UPDATE {table}_shards SET attempt = %(attempt)s, pending = true "
+            "WHERE sink_group = %(group)s AND shard = %(shard)s AND EXISTS (SELECT 1 FROM new)) "
+            "SELECT record_key FROM new",
+            {"group": self.sink_group, "shard": self.shard, "attempt": attempt, "keys": keys},
         )
-        return {r[0] for r in rows}
+        return [r[0] for r in rows]
 
     # ---- the producer -----------------------------------------------------------------------------------------
 
@@ -684,10 +694,11 @@ class ExactlyOnceShardWriter:
         by_key: dict[str, ProducerRecord] = {}
         for record in records:
             by_key.setdefault(ledger_key(record.identity()), record)  # the same result twice in a batch is one
-        duplicates_in_batch = len(records) - len(by_key)
-        with ledger.pool.connection() as conn, conn.transaction():
-            # One round trip: creates the shard's row if missing, locks it either way (DO UPDATE takes the row
-            # lock, as SELECT ... FOR UPDATE would) and returns it.
+        # Pipeline mode: BEGIN goes with the first statement and COMMIT with nothing to wait for, so a claim with
+        # nothing pending costs three round trips (the shard's row, the ids, the commit).
+        with ledger.pool.connection() as conn, conn.pipeline(), conn.transaction():
+            # Creates the shard's row if missing, locks it either way (DO UPDATE takes the row lock, as SELECT ...
+            # FOR UPDATE would) and returns it.
             row = conn.execute(
                 f"INSERT INTO {table}_shards AS s (sink_group, shard, topic, attempt, pending, committed) "
                 "VALUES (%s, %s, %s, 0, false, 0) ON CONFLICT (sink_group, shard) DO UPDATE SET attempt = s.attempt "
@@ -716,23 +727,9 @@ class ExactlyOnceShardWriter:
                 self._checked = True
             if pending:
                 self._resolve(conn, attempt, committed)
-            keys = list(by_key)
-            seen = self._already_written(conn, keys)
-            new_keys = [k for k in keys if k not in seen]
-            claim = _Claim(attempt + 1 if new_keys else attempt, skipped=len(seen) + duplicates_in_batch)
-            if new_keys:
-                with conn.cursor().copy(f"COPY {table} (sink_group, record_key, shard, attempt) FROM STDIN") as copy:
-                    for key in new_keys:
-                        copy.write_row((self.sink_group, key, self.shard, claim.attempt))
-                claim.new = [by_key[k] for k in new_keys]
-                conn.execute(
-                    f"INSERT INTO {table}_attempts (sink_group, shard, attempt) VALUES (%s, %s, %s)",
-                    (self.sink_group, self.shard, claim.attempt),
-                )
-                conn.execute(
-                    f"UPDATE {table}_shards SET attempt = %s, pending = true WHERE sink_group = %s AND shard = %s",
-                    (claim.attempt, self.sink_group, self.shard),
-                )
+            fresh = set(self._claim_ids(conn, list(by_key), attempt + 1))
+            claim = _Claim(attempt + 1 if fresh else attempt, skipped=len(records) - len(fresh))
+            claim.new = [record for key, record in by_key.items() if key in fresh]  # in the batch's order
         self._last_attempt = claim.attempt
         return claim
 
@@ -825,7 +822,10 @@ class ExactlyOnceShardWriter:
         """Step 3: the attempt committed; clear its pending mark (only if it is still the shard's attempt), and
         forget the ids of records the producer refused (they went to dead letters, not Kafka)."""
         table = self.ledger.table
-        with self.ledger.pool.connection() as conn, conn.transaction():
+        with self.ledger.pool.connection() as conn, conn.pipeline(), conn.transaction():  # one round trip
+            # Not waiting for the WAL to reach the disk is safe here: a settle lost in a server crash leaves the
+            # attempt pending, and the next claim asks the Kafka marker, which says it committed.
+            conn.execute("SET LOCAL synchronous_commit = off")
             conn.execute(
                 f"UPDATE {table}_shards SET pending = false, committed = %s "
                 "WHERE sink_group = %s AND shard = %s AND attempt = %s",

@@ -30,6 +30,7 @@ import hashlib
 import logging
 import operator
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
@@ -81,6 +82,25 @@ SourceOf = Callable[[Mapping[str, Any]], tuple[str | None, int | None, int | Non
 # session after this long; its transaction rolls back, which every beamflow sink survives (the bundle is retried and
 # the writes are idempotent or claimed by Kafka coordinates). Far above any real pause inside a sink's transaction.
 IDLE_IN_TRANSACTION_TIMEOUT_S = 120.0
+# A connection lent less than this long ago is lent again unchecked: it was just working, and a server that died
+# since fails the next statement as it would fail one in flight (the caller retries). The check costs a round trip,
+# which a writer borrowing a connection several times per batch would pay each time.
+RECENTLY_LENT_S = 1.0
+
+
+class _CheckUnlessRecent:
+    """The pool's ``check``: a ping, skipped for a connection lent less than ``RECENTLY_LENT_S`` ago. (Stamped on
+    lending, not on return: a ``reset`` callback would make the pool return connections through its worker thread.)"""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.lent: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
+
+    def __call__(self, conn: Any) -> None:
+        now = self.clock()
+        last, self.lent[conn] = self.lent.get(conn), now
+        if last is None or now - last >= RECENTLY_LENT_S:
+            ConnectionPool.check_connection(conn)
 
 
 def open_pool(
@@ -90,8 +110,9 @@ def open_pool(
     idle_in_transaction_timeout_s: float | None = IDLE_IN_TRANSACTION_TIMEOUT_S,
 ) -> ConnectionPool:
     """A small psycopg pool whose connections are health-checked on checkout (a restarted server leaves dead
-    ones) and whose sessions the server ends when they sit idle inside a transaction for
-    ``idle_in_transaction_timeout_s`` (None: the server's setting), so a frozen instance cannot block the others."""
+    ones) unless lent less than ``RECENTLY_LENT_S`` ago, and whose sessions the server ends when they sit idle
+    inside a transaction for ``idle_in_transaction_timeout_s`` (None: the server's setting), so a frozen instance
+    cannot block the others."""
     from psycopg.conninfo import conninfo_to_dict
 
     from beamflow.postgres.retry import check_login
@@ -109,7 +130,7 @@ def open_pool(
         max_size=max_size,
         timeout=timeout,
         open=False,
-        check=ConnectionPool.check_connection,
+        check=_CheckUnlessRecent(),
         kwargs=kwargs,
         name="beamflow-postgres",
     )

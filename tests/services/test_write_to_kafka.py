@@ -146,11 +146,11 @@ raise SystemExit("not killed")
 class _NoLedgerSkip(ExactlyOnceShardWriter):
     """Deliberately broken: never recognises a replay (the ledger skip disabled)."""
 
-    def _already_written(self, conn: Any, keys: list[str]) -> set[str]:
-        conn.execute(  # forget them, so recording them again does not collide
+    def _claim_ids(self, conn: Any, keys: list[str], attempt: int) -> list[str]:
+        conn.execute(  # forget them, so every one is claimed again as new
             f"DELETE FROM {self.ledger.table} WHERE sink_group = %s AND record_key = ANY(%s)", (self.sink_group, keys)
         )
-        return set()
+        return super()._claim_ids(conn, keys, attempt)
 
 
 class _TrustsPending(ExactlyOnceShardWriter):
