@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,7 +24,7 @@ from beamflow.kafka.producer import (
 )
 from runners.direct import local_options
 from transforms.sink_base import DEAD_LETTERS
-from transforms.write_to_kafka import WriteToKafka, _chunks, _RecordMaker, _ToShardedRecord
+from transforms.write_to_kafka import WriteToKafka, _chunks, _RecordMaker, _ToShardedRecord, _TransactionalFn
 
 DSN = "postgresql://postgres@127.0.0.1:5432/beamflow"
 
@@ -159,3 +161,57 @@ def test_a_shard_group_is_cut_into_transactions_of_batch_size_lazily() -> None:
 def test_ledger_keys_are_fixed_size_digests_of_the_record_id() -> None:
     assert ledger_key("a") == ledger_key("a") != ledger_key("b")
     assert len(ledger_key("x" * 10_000)) == len(ledger_key("")) == 32
+
+
+class _GatedWrites(_TransactionalFn):
+    """The exactly-once DoFn with its Kafka and ledger work replaced by writes that wait for a gate per shard."""
+
+    def __init__(self, max_in_flight_bytes: int) -> None:
+        super().__init__("b", "t", "g", DSN, "ledger", 4, {}, 3600.0, 10.0, max_in_flight_bytes)
+        self._threads, self._pending, self._in_flight_bytes = {}, [], 0
+        self.gates = {shard: threading.Event() for shard in range(4)}
+        self.started: list[int] = []
+
+    def _write(self, shard: int, batch: list[ProducerRecord]) -> tuple[int, int, int, list[Any]]:
+        self.started.append(shard)
+        assert self.gates[shard].wait(10)
+        return shard, len(batch), 0, []
+
+
+def _batch(n: int) -> list[tuple[Any, ...]]:
+    return [(b"x" * 100, None, (), None, None)] * n  # 100 bytes each
+
+
+def test_bounded_input_writes_the_next_shards_while_the_first_is_still_written() -> None:
+    # Bounded input arrives one shard's whole group after another: a bound counted in batches would hold the second
+    # shard back until the first was nearly written. Counted in bytes, every shard is under way at once.
+    fn = _GatedWrites(max_in_flight_bytes=1_000_000)
+    for shard in range(4):
+        for _ in range(3):
+            assert fn.add((shard, _batch(10))) == []  # 12 batches of 1,000 bytes: all in flight, none waited for
+    deadline = time.monotonic() + 10
+    while len(set(fn.started)) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sorted(set(fn.started)) == [0, 1, 2, 3]
+    for gate in fn.gates.values():
+        gate.set()
+    reports = [out for out in fn.flush() if isinstance(out, dict)]
+    assert sum(r["rows_written"] for r in reports) == 120
+    fn.close()
+
+
+def test_the_bytes_in_flight_are_bounded() -> None:
+    fn = _GatedWrites(max_in_flight_bytes=2_500)  # two batches of 1,000 bytes fit, a third does not
+    fn.add((0, _batch(10)))
+    fn.add((1, _batch(10)))
+    third = threading.Thread(target=fn.add, args=((2, _batch(10)),))
+    third.start()
+    third.join(0.5)
+    assert third.is_alive()  # over the bound: add waits for the oldest write
+    fn.gates[0].set()
+    third.join(10)
+    assert not third.is_alive() and fn._in_flight_bytes == 2_000
+    fn.gates[1].set()
+    fn.gates[2].set()
+    assert sum(r["rows_written"] for r in fn.flush() if isinstance(r, dict)) == 20  # the oldest was collected by add
+    fn.close()
