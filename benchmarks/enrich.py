@@ -122,11 +122,12 @@ class _Audit(beam.DoFn):
         self._bad = Metrics.counter(NS, "joined_bad")
         self._sum = Metrics.counter(NS, "event_sum")
 
-    def process(self, joined: dict[str, Any]) -> None:
+    def process(self, joined: dict[str, Any]) -> Iterator[None]:
         expected = row_of(joined["key"])
         good = all(joined.get(c) == expected[c] for c in COLUMNS)
         (self._ok if good else self._bad).inc()
         self._sum.inc(joined["event"])
+        yield from ()  # outputs nothing (a DoFn returning None makes Beam warn once per run)
 
 
 def _counter(result: Any, namespace: str, name: str) -> int:
