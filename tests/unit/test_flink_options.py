@@ -26,7 +26,7 @@ def test_example_conf_maps_to_job_server_options_and_cluster_settings() -> None:
     assert "--streaming" in flags
     assert "--checkpointing_interval=10000" in flags
     assert "--checkpoint_timeout_millis=30000" in flags
-    assert "--max_bundle_size=1000" in flags and "--max_bundle_time_mills=1000" in flags
+    assert "--max_bundle_size=3000" in flags and "--max_bundle_time_mills=1000" in flags
     assert "--min_pause_between_checkpoints=2000" in flags
     assert "--externalized_checkpoints_enabled" in flags
     assert "--environment_type=PROCESS" in flags
