@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import replace
 from typing import Any
 
 import apache_beam as beam
@@ -97,8 +98,10 @@ def _as_bytes(value: Any, what: str) -> bytes | None:
 
 
 class _RecordMaker:
-    """Element -> ProducerRecord, with the element's event time as the record timestamp (raises on an element that
-    cannot become one: the caller makes it a dead letter)."""
+    """Element -> (ProducerRecord, its timestamp in ms): the record's own timestamp, else the element's event time
+    (None when that is Beam's min or max). Raises on an element that cannot become a record: the caller makes it a
+    dead letter. The timestamp travels beside the record, so a ``ProducerRecord`` element is written as it is, not
+    copied into a new frozen dataclass per element."""
 
     def __init__(
         self,
@@ -110,18 +113,19 @@ class _RecordMaker:
         self._value_fn = value_fn
         self._id_fn = id_fn
 
-    def __call__(self, element: Any, micros: int) -> ProducerRecord:
+    def __call__(self, element: Any, micros: int) -> tuple[ProducerRecord, int | None]:
         if isinstance(element, ProducerRecord) and self._key_fn is None and self._value_fn is None:
             record = element
+            if self._id_fn is not None:
+                record = replace(record, record_id=str(self._id_fn(element)))
         else:
             key = _as_bytes(self._key_fn(element), "key_fn's result") if self._key_fn else None
             value = _as_bytes(self._value_fn(element) if self._value_fn else element, "the value")
-            record = ProducerRecord(value, key)
-        if self._id_fn is not None:
-            record = ProducerRecord(record.value, record.key, record.headers, str(self._id_fn(element)))
-        if record.timestamp_ms is None and _MIN_MICROS < micros < _MAX_MICROS:
-            record = ProducerRecord(record.value, record.key, record.headers, record.record_id, micros // 1000)
-        return record
+            record_id = str(self._id_fn(element)) if self._id_fn is not None else None
+            record = ProducerRecord(value, key, (), record_id)
+        if record.timestamp_ms is not None:
+            return record, record.timestamp_ms
+        return record, micros // 1000 if _MIN_MICROS < micros < _MAX_MICROS else None
 
 
 def _unmakeable(element: Any, exc: Exception) -> DeadLetter:
@@ -140,13 +144,13 @@ class _ToShardedRecord(beam.DoFn):
     def process(self, element: Any, windowed: Any = beam.DoFn.WindowedValueParam) -> Iterator[Any]:
         try:
             # int micros, not TimestampParam (see SinkFn.process)
-            record = self._make(element, windowed.timestamp_micros)
+            record, timestamp_ms = self._make(element, windowed.timestamp_micros)
         except Exception as exc:  # the element's own fault: it cannot become a record
             yield TaggedOutput(DEAD_LETTERS, _unmakeable(element, exc))
             return
         yield (
             shard_of(record, self._shards),
-            (record.value, record.key, record.headers, record.record_id, record.timestamp_ms),
+            (record.value, record.key, record.headers, record.record_id, timestamp_ms),
         )
 
 
@@ -347,10 +351,10 @@ class _IdempotentFn(SinkFn):
         # Records are made here, not in a step of their own: one Beam step less per element (benchmarks/kafka_sink).
         assert self._writer is not None
         try:
-            record = self._make(element, self.element_micros)
+            record, timestamp_ms = self._make(element, self.element_micros)
         except Exception as exc:  # the element's own fault: it cannot become a record
             return [_unmakeable(element, exc)]  # not in the sink's dead_letters counter, as in exactly-once mode
-        dead = self._writer.add(record)
+        dead = self._writer.add(record, timestamp_ms)
         if dead:
             self._dead.inc(len(dead))
         return dead

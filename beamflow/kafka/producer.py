@@ -264,13 +264,14 @@ class AtLeastOnceWriter:
         else:
             self.stats.written += 1
 
-    def add(self, record: ProducerRecord) -> list[DeadLetter]:
+    def add(self, record: ProducerRecord, timestamp_ms: int | None = None) -> list[DeadLetter]:
+        """Produces ``record``, stamped ``timestamp_ms`` if given (else its own ``timestamp_ms``)."""
         size = record_size(record)
         if size > self.limit.max_bytes:
             self.stats.dead_letters += 1
             return [self.limit.exceeds(record, size)]
         try:
-            _produce(self._producer, self.topic, record, self._delivered)
+            _produce(self._producer, self.topic, record, self._delivered, timestamp_ms)
         except _TooLarge as exc:
             self.stats.dead_letters += 1
             return [self.limit.too_large(record, str(exc))]
@@ -301,10 +302,16 @@ class _TooLarge(Exception):
     pass
 
 
-def _produce(producer: Any, topic: str, record: ProducerRecord, on_delivery: Callable[[Any, Any], None]) -> None:
+def _produce(
+    producer: Any,
+    topic: str,
+    record: ProducerRecord,
+    on_delivery: Callable[[Any, Any], None],
+    timestamp_ms: int | None = None,
+) -> None:
     # Called once per record: positional arguments and no keyword dict when there are no headers (the common case).
     headers = list(record.headers) if record.headers else None
-    timestamp = record.timestamp_ms or 0  # 0: librdkafka stamps the record itself
+    timestamp = timestamp_ms or record.timestamp_ms or 0  # 0: librdkafka stamps the record itself
     while True:
         try:
             producer.produce(

@@ -11,6 +11,7 @@ import apache_beam as beam
 import pytest
 from apache_beam.testing.util import assert_that, equal_to
 from apache_beam.transforms.window import TimestampedValue
+from apache_beam.utils.timestamp import MIN_TIMESTAMP
 
 from beamflow.kafka.producer import (
     DEFAULT_PRODUCER_CONFIG,
@@ -215,3 +216,15 @@ def test_the_bytes_in_flight_are_bounded() -> None:
     fn.gates[2].set()
     assert sum(r["rows_written"] for r in fn.flush() if isinstance(r, dict)) == 20  # the oldest was collected by add
     fn.close()
+
+
+def test_a_record_element_is_written_as_it_is_with_its_timestamp_beside_it() -> None:
+    make = _RecordMaker(None, None, None)
+    given = ProducerRecord(b"v", b"k")
+    record, timestamp_ms = make(given, 12_500_000)
+    assert record is given and timestamp_ms == 12_500  # no copy per element: the event time travels beside it
+    assert make(given, MIN_TIMESTAMP.micros) == (given, None)  # Beam's min: librdkafka stamps it
+    stamped = ProducerRecord(b"v", b"k", timestamp_ms=7)
+    assert make(stamped, 12_500_000) == (stamped, 7)  # the record's own timestamp wins
+    with_id, _ = _RecordMaker(None, None, lambda r: f"id-{r.value.decode()}")(given, 0)
+    assert (with_id.value, with_id.key, with_id.record_id) == (b"v", b"k", "id-v")
