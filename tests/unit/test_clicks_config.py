@@ -31,7 +31,7 @@ CONF = Path(__file__).resolve().parents[2] / "conf" / "clicks.yaml"
 
 def test_the_shipped_conf_loads_into_frozen_sections_with_the_files_values() -> None:
     config = load_job_config(CONF)
-    assert config.kafka is not None and config.kafka.topic == "clicks" and config.kafka.max_bundle_records == 2000
+    assert config.kafka is not None and config.kafka.topic == "clicks" and config.kafka.max_bundle_records == 5000
     assert config.flink is not None and config.flink.parallelism == 2  # from flink.yaml (extends)
     assert config.sessions.hot_keys == ()
     with pytest.raises(dataclasses.FrozenInstanceError):
