@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 import yaml
 
-from beamflow.config import load_config
+from beamflow.config import load_config, load_job_config
+from beamflow.doctor import RULES, Job
 from runners.flink import cluster_settings, flink_flags
 
 pytestmark = pytest.mark.unit
@@ -182,6 +183,29 @@ def test_job_config_example_loads_and_its_flink_section_is_accepted() -> None:
         DEPLOYING / "clicks-prod.yaml", ['flink.environment={type: EXTERNAL, config: "localhost:50000"}']
     )
     assert "--environment_config=localhost:50000" in flink_flags(external["flink"])
+
+
+def test_doctor_finds_nothing_wrong_with_the_job_config_example() -> None:
+    # The example long shipped the first wave's 100,000-element / 10 s bundles (every checkpoint stalled on a backlog),
+    # a 120 s checkpoint timeout and plaintext Kafka with nothing saying so: doctor's static rules now vet it.
+    config = load_job_config(DEPLOYING / "clicks-prod.yaml")
+    findings = [f for rule in RULES if (f := rule(Job(config, config.kafka.partitions if config.kafka else None)))]
+    assert [f"{f.severity} {f.code}" for f in findings if f.severity != "info"] == []
+
+
+def test_every_secret_the_job_config_names_is_set_where_its_python_workers_run() -> None:
+    references = set(re.findall(r"env:([A-Z_][A-Z0-9_]*)", (DEPLOYING / "clicks-prod.yaml").read_text()))
+    assert "KAFKA_PASSWORD" in references
+    for name, deployment in _flink_deployments().items():
+        containers = {c["name"]: c for c in _containers(deployment["spec"]["taskManager"]["podTemplate"])}
+        # PROCESS: the workers are the TaskManager's children; EXTERNAL: they run in the worker-pool sidecar.
+        workers = [c for n, c in containers.items() if n != "flink-main-container"] or [
+            containers["flink-main-container"]
+        ]
+        for container in workers:
+            env = {e["name"]: e for e in container.get("env", [])}
+            for reference in references | {"PGPASSWORD"}:
+                assert reference in env and "secretKeyRef" in env[reference].get("valueFrom", {}), (name, reference)
 
 
 def test_doc_references_every_example_file() -> None:
