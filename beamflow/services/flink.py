@@ -574,10 +574,18 @@ class FlinkService(LocalService):
                 wait_for_port(state.ports["job"], 180, "Beam Flink job server")
             elif role.startswith("taskmanager"):
                 # The JobManager still lists the killed TaskManager until its heartbeat times out: wait for a new one.
-                _wait(
-                    lambda: _alive(roles) and bool({tm["id"] for tm in rest.taskmanagers()} - known_taskmanagers),
-                    180, "the restarted TaskManager to register",
-                )  # fmt: skip
+                try:
+                    _wait(
+                        lambda: _alive(roles) and bool({tm["id"] for tm in rest.taskmanagers()} - known_taskmanagers),
+                        180, "the restarted TaskManager to register",
+                    )  # fmt: skip
+                except ServiceError as exc:
+                    # Its log says why (a port taken while it was down, a refused registration): keep it in the error,
+                    # since later tests reuse the data folder and the log with it.
+                    index = 1 if role == "taskmanager" else int(role.rsplit("-", 1)[1])
+                    log = self.log_dir / f"taskmanager-{index}.out"
+                    tail = log.read_text(errors="replace")[-3000:] if log.exists() else "(no log)"
+                    raise ServiceError(f"{exc}; {log.name} tail:\n{tail}") from exc
             else:
                 expected = int(state.info.get("taskmanagers", 1))
                 _wait(
