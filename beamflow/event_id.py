@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -21,15 +20,23 @@ __all__ = ["event_id_from_coordinates", "event_id_from_fields"]
 
 
 def _uuid(namespace: bytes, payload: bytes) -> str:
-    digest = hashlib.blake2b(payload, digest_size=16, person=namespace).digest()
-    return str(uuid.UUID(bytes=digest))
+    # str(uuid.UUID(bytes=digest)) spelled out: the same 8-4-4-4-12 lowercase hex, without building a UUID object
+    # (a third of the id's cost, per event).
+    h = hashlib.blake2b(payload, digest_size=16, person=namespace).hexdigest()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
 def event_id_from_coordinates(topic: str, partition: int, offset: int) -> str:
     return _uuid(b"beamflow.kafka", f"{topic}\x00{partition}\x00{offset}".encode())
 
 
+# json.dumps with separators builds a new encoder per call; one encoder, the same output.
+_COMPACT_JSON = json.JSONEncoder(separators=(",", ":"))
+
+
 def _canonical(value: Any) -> Any:
+    if type(value) is str or type(value) is int:  # the usual fields, returned as they are
+        return value
     if isinstance(value, bytes):
         return {"$bytes": value.hex()}
     if isinstance(value, float) and value.is_integer():
@@ -43,5 +50,5 @@ def event_id_from_fields(record: Mapping[str, Any], fields: Sequence[str]) -> st
     missing = [f for f in fields if f not in record]
     if missing:
         raise KeyError(f"event id fields missing from record: {', '.join(missing)}")
-    canonical = json.dumps([[f, _canonical(record[f])] for f in fields], separators=(",", ":"), sort_keys=False)
+    canonical = _COMPACT_JSON.encode([[f, _canonical(record[f])] for f in fields])
     return _uuid(b"beamflow.fields", canonical.encode())

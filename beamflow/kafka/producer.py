@@ -62,6 +62,7 @@ from typing import Any
 
 from beamflow.deadletter import DeadLetter
 from beamflow.kafka.admin import connection_config, topic_partition_count
+from beamflow.postgres.arrays import text_array
 
 __all__ = [
     "DEFAULT_PRODUCER_CONFIG",
@@ -526,7 +527,7 @@ class ExactlyOnceShardWriter:
             f"pending AS (UPDATE {table}_shards SET attempt = %(attempt)s, pending = true "
             "WHERE sink_group = %(group)s AND shard = %(shard)s AND EXISTS (SELECT 1 FROM new)) "
             "SELECT record_key FROM new",
-            {"group": self.sink_group, "shard": self.shard, "attempt": attempt, "keys": keys},
+            {"group": self.sink_group, "shard": self.shard, "attempt": attempt, "keys": text_array(keys)},
         )
         return [r[0] for r in rows]
 
@@ -841,7 +842,8 @@ class ExactlyOnceShardWriter:
             if too_large:
                 keys = [ledger_key(dict(d.attributes)["record_id"]) for d in too_large]
                 conn.execute(
-                    f"DELETE FROM {table} WHERE sink_group = %s AND record_key = ANY(%s)", (self.sink_group, keys)
+                    f"DELETE FROM {table} WHERE sink_group = %s AND record_key = ANY(%s::text[])",
+                    (self.sink_group, text_array(keys)),
                 )
 
     def close(self) -> None:

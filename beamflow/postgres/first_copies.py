@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from psycopg import sql
 from psycopg_pool import ConnectionPool
 
+from beamflow.postgres.arrays import int_array, text_array
 from beamflow.postgres.table import lock_creation
 
 __all__ = ["Copy", "FirstCopyStore", "Verdict"]
@@ -92,7 +93,7 @@ class FirstCopyStore:
         # Earliest first, so within one batch the earliest copy of an id becomes its owner (DO NOTHING keeps the
         # first row of an id that one INSERT carries).
         ordered = sorted(copies, key=lambda c: (c.event_ms, c.position))
-        ids = [c.event_id for c in ordered]
+        ids = text_array(c.event_id for c in ordered)
         with self._pool.connection() as conn, conn.transaction():
             conn.execute(
                 sql.SQL(
@@ -102,10 +103,10 @@ class FirstCopyStore:
                 ).format(self._table),
                 (
                     ids,
-                    [c.topic for c in ordered],
-                    [c.partition for c in ordered],
-                    [c.offset for c in ordered],
-                    [c.event_ms for c in ordered],
+                    text_array(c.topic for c in ordered),
+                    int_array([c.partition for c in ordered]),
+                    int_array([c.offset for c in ordered]),
+                    int_array([c.event_ms for c in ordered]),
                 ),
             )
             owners = {
@@ -113,7 +114,7 @@ class FirstCopyStore:
                 for row in conn.execute(
                     sql.SQL(
                         "SELECT event_id, topic, kafka_partition, kafka_offset, event_ms FROM {}"
-                        " WHERE event_id = ANY(%s)"
+                        " WHERE event_id = ANY(%s::text[])"
                     ).format(self._table),
                     (ids,),
                 )

@@ -46,6 +46,7 @@ from psycopg import sql
 
 from beamflow.aggregates import SessionClicks
 from beamflow.kafka.offset_ranges import OffsetRanges
+from beamflow.postgres.arrays import int_array, text_array
 from beamflow.postgres.retry import RetryPolicy
 from beamflow.postgres.table import TableSpec, create_table, existing_columns
 
@@ -320,11 +321,12 @@ class SessionStore:
 
     def _transaction(self, by_user: Mapping[str, list[Session]]) -> SessionWriteStats:
         out = SessionWriteStats()
-        users = sorted(by_user, key=lambda u: _lock_key(self.spec.display_name, u))
+        # Locks taken in one order by every writer (no deadlock between two merging overlapping users).
+        keyed = sorted((_lock_key(self.spec.display_name, u), u) for u in by_user)
+        users = [u for _, u in keyed]
         with self._connection() as conn, conn.transaction():
             conn.execute(
-                "SELECT pg_advisory_xact_lock(k) FROM unnest(%s::bigint[]) AS u(k)",
-                ([_lock_key(self.spec.display_name, u) for u in users],),
+                "SELECT pg_advisory_xact_lock(k) FROM unnest(%s::bigint[]) AS u(k)", (int_array([k for k, _ in keyed]),)
             )
             by_user = self._claim(conn, by_user, out)
             users = [u for u in users if u in by_user]
@@ -381,7 +383,7 @@ class SessionStore:
         ).format(
             cols=sql.SQL(", ").join(sql.SQL("s.{}").format(sql.Identifier(n)) for n in _NAMES), t=self.spec.qualified
         )
-        cur = conn.execute(query, ([p[0] for p in probes], [p[1] for p in probes], [p[2] for p in probes]))
+        cur = conn.execute(query, (text_array(p[0] for p in probes), [p[1] for p in probes], [p[2] for p in probes]))
         unique = {(r[0], r[1]): r for r in cur.fetchall()}  # a stored row may overlap several probes
         return [Session.from_row(dict(zip(_NAMES, r, strict=True))) for r in unique.values()]
 
@@ -405,7 +407,7 @@ class SessionStore:
                 "SELECT * FROM unnest(%s::integer[], %s::bigint[], %s::text[]) ON CONFLICT DO NOTHING "
                 "RETURNING kafka_partition, kafka_offset"
             ).format(t=self.ledger.qualified),
-            (partitions, offsets, users),
+            (int_array(partitions), int_array(offsets), text_array(users)),
         )
         unclaimed = set(cur.fetchall())
 
