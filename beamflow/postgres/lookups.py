@@ -36,26 +36,17 @@ class _PooledLookup:
 
     def __enter__(self) -> Any:
         if self._pool is None:
-            from beamflow.postgres.retry import check_login
-            from beamflow.secrets import postgres_conninfo
+            from beamflow.postgres.writer import open_pool
 
-            conninfo = postgres_conninfo(self.dsn)  # a password reference is resolved where the connection opens
-            check_login(conninfo, max(1, int(self.timeout_s)))  # a refused login: one line now, not timeouts later
-            self._pool = ConnectionPool(
-                conninfo,
-                min_size=1,
+            # The statement timeout and the connection wait share the lookup's deadline; autocommit: reads only.
+            self._pool = open_pool(
+                self.dsn,
                 max_size=self.pool_size,
-                timeout=self.timeout_s,  # waiting for a connection counts against the same deadline
-                open=False,
-                check=ConnectionPool.check_connection,  # a restarted server leaves dead connections behind
-                kwargs={
-                    "connect_timeout": max(1, int(self.timeout_s)),
-                    "options": f"-c statement_timeout={int(self.timeout_s * 1000)}",
-                    "autocommit": True,
-                },
+                timeout=self.timeout_s,
+                statement_timeout_s=self.timeout_s,
+                autocommit=True,
                 name="beamflow-lookup",
             )
-            self._pool.open(wait=False)
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -108,22 +108,42 @@ def open_pool(
     max_size: int = 2,
     timeout: float = 10.0,
     idle_in_transaction_timeout_s: float | None = IDLE_IN_TRANSACTION_TIMEOUT_S,
+    *,
+    statement_timeout_s: float | None = None,
+    autocommit: bool = False,
+    name: str = "beamflow-postgres",
 ) -> ConnectionPool:
-    """A small psycopg pool whose connections are health-checked on checkout (a restarted server leaves dead
-    ones) unless lent less than ``RECENTLY_LENT_S`` ago, and whose sessions the server ends when they sit idle
-    inside a transaction for ``idle_in_transaction_timeout_s`` (None: the server's setting), so a frozen instance
-    cannot block the others."""
+    """A small psycopg pool, the one every beamflow store and lookup opens.
+
+    - Connections are health-checked on checkout (a restarted server leaves dead ones) unless lent less than
+      ``RECENTLY_LENT_S`` ago.
+    - The server ends a session that sits idle inside a transaction for ``idle_in_transaction_timeout_s`` (None:
+      the server's setting), so a frozen instance cannot block the others.
+    - ``statement_timeout_s`` (None: the server's setting) bounds each statement on the server.
+    - ``timeout`` bounds the wait for a connection and each connection attempt.
+
+    Settings the DSN's own ``options`` give win over these (they are sent after them): a user who sets one decides.
+    A login the server refuses raises ``PostgresRefused`` here, in one line.
+    """
     from psycopg.conninfo import conninfo_to_dict
 
     from beamflow.postgres.retry import check_login
     from beamflow.secrets import postgres_conninfo
 
     conninfo = postgres_conninfo(dsn)  # a password reference (env:/file:) is resolved here, in the worker that connects
-    check_login(conninfo)  # a refused login fails here, in one line, not as pool timeouts retried for minutes
-    kwargs: dict[str, Any] = {"connect_timeout": 10}
-    if idle_in_transaction_timeout_s is not None and "options" not in conninfo_to_dict(conninfo):
-        # The DSN's own options win: a user who sets them decides.
-        kwargs["options"] = f"-c idle_in_transaction_session_timeout={int(idle_in_transaction_timeout_s * 1000)}"
+    connect_timeout = max(1, int(timeout))
+    check_login(conninfo, connect_timeout)  # a refused login fails here, not as pool timeouts retried for minutes
+    settings = []
+    if idle_in_transaction_timeout_s is not None:
+        settings.append(f"-c idle_in_transaction_session_timeout={int(idle_in_transaction_timeout_s * 1000)}")
+    if statement_timeout_s is not None:
+        settings.append(f"-c statement_timeout={int(statement_timeout_s * 1000)}")
+    own_options = conninfo_to_dict(conninfo).get("options")
+    if own_options:
+        settings.append(str(own_options))  # later -c settings override earlier ones
+    kwargs: dict[str, Any] = {"connect_timeout": connect_timeout, "autocommit": autocommit}
+    if settings:
+        kwargs["options"] = " ".join(settings)
     pool = ConnectionPool(
         conninfo,
         min_size=1,
@@ -132,7 +152,7 @@ def open_pool(
         open=False,
         check=_CheckUnlessRecent(),
         kwargs=kwargs,
-        name="beamflow-postgres",
+        name=name,
     )
     pool.open(wait=False)
     return pool

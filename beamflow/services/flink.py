@@ -555,14 +555,15 @@ class FlinkService(LocalService):
             "jobmanager": self._start_jobmanager,
             "job_server": self._start_job_server,
         }
-        for index in range(1, int(state.info.get("taskmanagers", 1)) + 1):
-            starters[_taskmanager_role(index)] = functools.partial(self._start_taskmanager, index=index)
+        taskmanager_index = {_taskmanager_role(i): i for i in range(1, int(state.info.get("taskmanagers", 1)) + 1)}
+        for tm_role, index in taskmanager_index.items():
+            starters[tm_role] = functools.partial(self._start_taskmanager, index=index)
         start = starters.get(role)
         if start is None:
             raise ServiceError(f"unknown Flink role {role!r}; known: {', '.join(starters)}")
         rest = FlinkRest(f"http://127.0.0.1:{state.ports['rest']}")
         known_taskmanagers: set[str] = set()
-        if role.startswith("taskmanager"):
+        if role in taskmanager_index:
             with contextlib.suppress(Exception):  # the JobManager may be down too
                 known_taskmanagers = {tm["id"] for tm in rest.taskmanagers()}
         roles[role] = start(state.ports)
@@ -572,7 +573,7 @@ class FlinkService(LocalService):
         if wait:
             if role == "job_server":
                 wait_for_port(state.ports["job"], 180, "Beam Flink job server")
-            elif role.startswith("taskmanager"):
+            elif role in taskmanager_index:
                 # The JobManager still lists the killed TaskManager until its heartbeat times out: wait for a new one.
                 try:
                     _wait(
@@ -582,8 +583,7 @@ class FlinkService(LocalService):
                 except ServiceError as exc:
                     # Its log says why (a port taken while it was down, a refused registration): keep it in the error,
                     # since later tests reuse the data folder and the log with it.
-                    index = 1 if role == "taskmanager" else int(role.rsplit("-", 1)[1])
-                    log = self.log_dir / f"taskmanager-{index}.out"
+                    log = self.log_dir / f"taskmanager-{taskmanager_index[role]}.out"
                     tail = log.read_text(errors="replace")[-3000:] if log.exists() else "(no log)"
                     raise ServiceError(f"{exc}; {log.name} tail:\n{tail}") from exc
             else:

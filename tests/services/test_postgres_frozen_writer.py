@@ -63,13 +63,21 @@ def test_without_the_timeout_the_other_writer_waits_as_long_as_the_frozen_one(po
     assert _blocked_insert_seconds(postgres.info["dsn"], idle_timeout_s=None, give_up_s=8) is None
 
 
-def test_the_pool_sets_the_timeout_unless_the_dsn_sets_options(postgres: ServiceState) -> None:
+def test_the_pool_sets_the_timeout_and_the_dsn_options_win(postgres: ServiceState) -> None:
     pool = open_pool(postgres.info["dsn"])
     with pool.connection() as conn:
         assert conn.execute("SHOW idle_in_transaction_session_timeout").fetchone() == ("2min",)
     pool.close()
-    own = postgres.info["dsn"] + ("&" if "?" in postgres.info["dsn"] else "?") + "options=-c%20work_mem%3D8MB"
-    pool = open_pool(own)
+    sep = "&" if "?" in postgres.info["dsn"] else "?"
+    # Options of the DSN's own are kept beside the pool's settings...
+    pool = open_pool(postgres.info["dsn"] + sep + "options=-c%20work_mem%3D8MB", statement_timeout_s=3)
+    with pool.connection() as conn:
+        assert conn.execute("SHOW work_mem").fetchone() == ("8MB",)
+        assert conn.execute("SHOW idle_in_transaction_session_timeout").fetchone() == ("2min",)
+        assert conn.execute("SHOW statement_timeout").fetchone() == ("3s",)
+    pool.close()
+    # ...and win where they set the same thing.
+    pool = open_pool(postgres.info["dsn"] + sep + "options=-c%20idle_in_transaction_session_timeout%3D0")
     with pool.connection() as conn:
         assert conn.execute("SHOW idle_in_transaction_session_timeout").fetchone() == ("0",)
     pool.close()
