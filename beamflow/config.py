@@ -234,6 +234,7 @@ class FlinkConfig:
     savepoint_path: str | None = None
     allow_non_restored_state: bool | None = None
     experiments: tuple[str, ...] | None = None  # Beam experiments, passed to both the runner and the SDK workers
+    worker_settings: bool = True  # the Python SDK workers' speed settings (runners.worker_settings); false: Beam's own
 
     def settings(self) -> dict[str, Any]:
         """The keys that are set, as a mapping (what ``runners.flink`` reads)."""

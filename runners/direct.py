@@ -24,12 +24,14 @@ from apache_beam.runners.portability.fn_api_runner import worker_handlers
 from apache_beam.runners.portability.fn_api_runner.fn_runner import FnApiRunner
 from apache_beam.runners.worker import statesampler
 
+from runners.worker_settings import SAMPLING_PERIOD_MS, set_sampling_period
+
 __all__ = ["GC_THRESHOLDS", "LOCAL_RUNNER", "SAMPLING_PERIOD_MS", "LocalRunner", "local_options", "local_settings"]
 
 LOCAL_RUNNER = "runners.direct.LocalRunner"
-# How often the SDK worker's state sampler wakes (Beam's default: 200 ms). Every bundle ends by joining that thread,
-# which first finishes its sleep: a long bundle waited up to 200 ms for nothing (about 0.3 s of the 4 s clicks job).
-SAMPLING_PERIOD_MS = 20
+# SAMPLING_PERIOD_MS (runners.worker_settings): how often the SDK worker's state sampler wakes (Beam's default: 200
+# ms). Every bundle ends by joining that thread, which first finishes its sleep: a long bundle waited up to 200 ms for
+# nothing (about 0.3 s of the 4 s clicks job).
 # The collector's generation thresholds while a local job runs (CPython's defaults: 700, 10, 10); 4-5% of the clicks
 # job's wall and CPU time measured in interleaved runs.
 GC_THRESHOLDS = (100_000, 50, 1000)
@@ -42,7 +44,6 @@ def local_settings() -> Iterator[None]:
     ``LocalRunner`` wraps each run in this; use it directly only around another in-process FnApiRunner run.
     """
     cache_mb = worker_handlers.STATE_CACHE_SIZE_MB
-    sampler_defaults = statesampler.StateSampler.__init__.__defaults__
     thresholds = gc.get_threshold()
     frozen_before = gc.get_freeze_count()
     # FnApiRunner's in-process state cache sizes every stored value with objsize, which walks all loaded modules on
@@ -51,7 +52,7 @@ def local_settings() -> Iterator[None]:
     worker_handlers.STATE_CACHE_SIZE_MB = 0
     # Each bundle processor builds its StateSampler with the constructor's default period, which Beam 2.62 binds at
     # definition time (no option, and changing statesampler.DEFAULT_SAMPLING_PERIOD_MS has no effect).
-    statesampler.StateSampler.__init__.__defaults__ = (SAMPLING_PERIOD_MS,)
+    sampler_defaults = set_sampling_period(SAMPLING_PERIOD_MS)
     # Python's cyclic GC walks every tracked object on each full collection, and the imports of a beamflow job (Beam,
     # pyarrow, pyiceberg, SQLAlchemy, psycopg: about 1,400 modules) leave hundreds of thousands of them, walked again
     # each time the per-element objects of the in-process worker trigger one (about 10% of the clicks job). What is

@@ -37,6 +37,8 @@ Flink-side options the Python SDK then accepts as flags, and against a Flink 1.1
   check element-wise results, not end-of-input windows.
 - max_bundle_size, max_bundle_time_ms -> ``--max_bundle_size``, ``--max_bundle_time_mills``
 - experiments -> ``--experiments`` (repeated): Beam experiments, read by the runner and by the SDK workers alike
+- worker_settings (default true) -> ``--beam_plugins=runners.worker_plugin``: each Python SDK worker Beam starts
+  applies ``runners.worker_settings`` (state sampler period, garbage collector) before its first bundle
 - finish_bundle_before_checkpointing -> ``--finish_bundle_before_checkpointing``
 - files_to_stage -> ``--files_to_stage`` (repeated): the jars the job ships, on beamflow's job server; Beam's own
   ``FlinkJobServerDriver`` ignores it and ships its classpath
@@ -139,6 +141,7 @@ _OTHER = {
     "fail_on_checkpointing_errors",
     "rest_url",
     "experiments",
+    "worker_settings",
 }
 # The keys of the flink: section are FlinkConfig's fields (beamflow/config.py); each one goes somewhere here.
 _KNOWN = set(_VALUE_FLAGS) | set(_BOOL_FLAGS) | _CLUSTER_ONLY | _OTHER
@@ -178,6 +181,10 @@ def flink_flags(config: FlinkConfig | Mapping[str, Any]) -> list[str]:
         flags.append(f"--files_to_stage={path}")
     for experiment in config.get("experiments") or ():
         flags.append(f"--experiments={experiment}")
+    if config.get("worker_settings", True):
+        from runners.worker_settings import PLUGIN
+
+        flags.append(f"--beam_plugins={PLUGIN}")  # the workers' speed settings, applied as each worker starts
     backend = config.get("state_backend")
     if backend is not None and backend not in _STATE_BACKENDS:
         raise ValueError(f"state_backend must be one of {sorted(_STATE_BACKENDS)}, got {backend!r}")

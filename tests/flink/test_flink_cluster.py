@@ -6,6 +6,7 @@ import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import apache_beam as beam
 import pytest
@@ -17,6 +18,7 @@ from beamflow.services.base import wait_until
 from beamflow.services.flink import FlinkService
 from beamflow.services.paths import cache_dir
 from runners.flink import options_for_service
+from runners.worker_settings import SAMPLING_PERIOD_MS, WORKER_GC_THRESHOLDS
 from tests.flink.drill_support import job_blobs
 
 pytestmark = pytest.mark.flink
@@ -33,6 +35,30 @@ class WriteSquare(beam.DoFn):
         with open(path, "w") as f:
             f.write(str(element * element))
         yield element
+
+
+class RecordWorkerSettings(beam.DoFn):
+    """Writes, per element, the worker's garbage-collector thresholds and state-sampler period (``worker_settings``)."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+
+    def process(self, element: int) -> Iterator[int]:
+        import gc
+        import json
+
+        from apache_beam.runners.worker import statesampler
+
+        settings = {"gc": list(gc.get_threshold()), "sampler": list(statesampler.StateSampler.__init__.__defaults__)}
+        with open(os.path.join(self.out_dir, f"{element}.json"), "w") as f:
+            json.dump(settings, f)
+        yield element
+
+
+def _worker_settings_seen(out_dir: Path) -> list[dict[str, list[int]]]:
+    import json
+
+    return [json.loads(p.read_text()) for p in sorted(out_dir.iterdir())]
 
 
 def _processes_mentioning(text: str) -> list[int]:
@@ -65,8 +91,11 @@ def test_streaming_pipeline_with_checkpoints_runs_on_the_session_cluster(flink: 
             "shutdown_sources_after_idle_ms": 3000,
         },
     )
+    settings_dir = tmp_path / "settings"
+    settings_dir.mkdir()
     pipeline = beam.Pipeline(options=options)
-    _ = pipeline | beam.Create(list(range(40))) | beam.Reshuffle() | beam.ParDo(WriteSquare(str(out_dir)))
+    squares = pipeline | beam.Create(list(range(40))) | beam.Reshuffle() | beam.ParDo(WriteSquare(str(out_dir)))
+    _ = squares | beam.ParDo(RecordWorkerSettings(str(settings_dir)))
     rest = FlinkRest(flink.info["rest_url"])
     result = pipeline.run()
     # What the submission shipped, read while the job runs: only the empty marker jar (Beam's runner jars are on the
@@ -91,6 +120,34 @@ def test_streaming_pipeline_with_checkpoints_runs_on_the_session_cluster(flink: 
     assert rest.completed_checkpoints(jobs[0].job_id) >= 1
     job_config = rest._request("GET", f"/jobs/{jobs[0].job_id}/config")["execution-config"]
     assert job_config["job-parallelism"] == 2
+    # The PROCESS workers imported runners.worker_plugin at start-up (runners.worker_settings).
+    seen = _worker_settings_seen(settings_dir)
+    assert len(seen) == 40
+    assert {json_key(s) for s in seen} == {json_key({"gc": WORKER_GC_THRESHOLDS, "sampler": [SAMPLING_PERIOD_MS]})}
+
+
+def json_key(settings: dict[str, Any]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    return tuple(settings["gc"]), tuple(settings["sampler"])
+
+
+def test_worker_settings_false_leaves_the_workers_with_beams_defaults(flink: ServiceState, tmp_path: Path) -> None:
+    # The check above can fail: a job that switches the settings off runs workers with CPython's and Beam's defaults.
+    options = options_for_service(
+        flink,
+        {
+            "job_name": f"beamflow-defaults-{uuid.uuid4().hex[:8]}",
+            "parallelism": 1,
+            "checkpointing_interval_ms": 1000,
+            "shutdown_sources_after_idle_ms": 3000,
+            "worker_settings": False,
+        },
+    )
+    pipeline = beam.Pipeline(options=options)
+    _ = pipeline | beam.Create([0, 1]) | beam.Reshuffle() | beam.ParDo(RecordWorkerSettings(str(tmp_path)))
+    assert pipeline.run().wait_until_finish() == PipelineState.DONE
+    seen = _worker_settings_seen(tmp_path)
+    assert len(seen) == 2
+    assert {json_key(s) for s in seen} == {((700, 10, 10), (200,))}
 
 
 def _wait_for_job(rest: FlinkRest, job_name: str, timeout: float = 300) -> str:

@@ -47,7 +47,10 @@ def test_example_conf_maps_to_job_server_options_and_cluster_settings() -> None:
         {**section, "rocksdb_max_manifest_bytes": None}
     )
     experiments = flink_flags({**section, "experiments": ["data_buffer_size_limit=65536", "use_runner_v2"]})
-    assert experiments[-2:] == ["--experiments=data_buffer_size_limit=65536", "--experiments=use_runner_v2"]
+    assert [f for f in experiments if f.startswith("--experiments")] == [
+        "--experiments=data_buffer_size_limit=65536",
+        "--experiments=use_runner_v2",
+    ]
 
 
 def test_command_line_overrides_the_conf() -> None:
@@ -66,3 +69,34 @@ def test_external_environment_needs_an_address_and_unknown_keys_are_refused() ->
         flink_flags({"checkpoint_intervall": 5})
     with pytest.raises(ValueError, match="state_backend"):
         flink_flags({"state_backend": "memory"})
+
+
+def test_workers_get_the_speed_settings_plugin_unless_switched_off() -> None:
+    from runners.flink import flink_flags
+
+    for environment in ("LOOPBACK", {"type": "PROCESS", "command": "/boot"}, {"type": "EXTERNAL", "config": "h:1"}):
+        assert "--beam_plugins=runners.worker_plugin" in flink_flags({"environment": environment})
+        assert not [f for f in flink_flags({"environment": environment, "worker_settings": False}) if "plugin" in f]
+
+
+def test_the_plugin_applies_the_worker_settings_where_beam_imports_it_and_nowhere_else() -> None:
+    import json
+    import subprocess
+    import sys
+
+    probe = (
+        "import gc, json\n"
+        "from apache_beam.runners.worker import sdk_worker_main, statesampler\n"
+        "import runners.worker_settings, runners.flink, runners.direct\n"
+        "before = [list(gc.get_threshold()), list(statesampler.StateSampler.__init__.__defaults__)]\n"
+        "sdk_worker_main._import_beam_plugins(['runners.worker_plugin'])\n"
+        "after = [list(gc.get_threshold()), list(statesampler.StateSampler.__init__.__defaults__)]\n"
+        "print(json.dumps([before, after, gc.get_freeze_count() > 0]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    before, after, frozen = json.loads(out.strip().splitlines()[-1])
+    from runners.worker_settings import SAMPLING_PERIOD_MS, WORKER_GC_THRESHOLDS
+
+    assert before == [[700, 10, 10], [200]]  # importing beamflow's runner modules changes nothing
+    assert after == [list(WORKER_GC_THRESHOLDS), [SAMPLING_PERIOD_MS]]
+    assert frozen
