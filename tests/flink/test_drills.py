@@ -353,13 +353,6 @@ def _sampled_variant(
     traffic flowing steadily (a commit runs ahead only while records are in flight), sampled every 0.5 s."""
     variant = _new_drill(name, services, tmp_path_factory, seed=seed)
     variant.config["flink"]["parallelism"] = 1
-    # Flink's default bundle sizes (1,000-element bundles, 2,000-record read calls), not the shipped 3,000 / 5,000,
-    # for both variants alike. The broken read's early commit shows only while a read bundle has closed with its
-    # records still short of the sinks; with debloated buffers and this trickle of traffic that happens in the bursts
-    # after a fault, and the shipped sizes sink such a burst in one bundle: the broken variant then showed 0 of 229
-    # samples ahead (4 of 232 with these sizes, the same day). The main drill job runs the shipped sizes.
-    variant.config["flink"]["max_bundle_size"] = 1000
-    variant.config["kafka"]["max_bundle_records"] = 2000
     variant.feeder = TrafficFeeder(variant.config, variant.traffic.records, chunks=120, pause_s=0.5)
     variant.sampler = OffsetSampler(variant.config, interval_s=0.5)
     return variant, DrillJob(variant.config, variant.work, name, module=module)
@@ -371,8 +364,8 @@ def fault_drill(
 ) -> Iterator[tuple[DrillResult, DrillResult, DrillResult]]:
     """One job through three faults in sequence (a Python SDK worker SIGKILLed mid-bundle, the broker SIGSTOPped
     for 30 s, PostgreSQL restarted), and beside it two variants through the same faults, sampled six times as often:
-    the broken one (``tests.flink.broken_clicks``: early commits, slow sink), whose holdings check must fail, and its
-    control (``tests.flink.slow_sink_clicks``: the same slow sink, the correct read), whose check must pass."""
+    the broken one (``tests.flink.broken_clicks``: commits as it reads, slow sink), whose holdings check must fail,
+    and its control (``tests.flink.slow_sink_clicks``: the same slow sink, the correct read), whose check must pass."""
     drill = _new_drill("faults", drill_services, tmp_path_factory, seed=23)
     broken, broken_job = _sampled_variant("broken", drill_services, tmp_path_factory, 24, "tests.flink.broken_clicks")
     control, control_job = _sampled_variant(
@@ -515,7 +508,7 @@ def test_python_worker_kill_broker_hang_and_postgres_restart_leave_every_record_
     assert drill.notes["restores_after_worker_kill"] >= 1  # the killed worker failed its task: a real failover
 
 
-def test_the_holdings_check_catches_a_read_that_commits_without_the_round_delay(
+def test_the_holdings_check_catches_a_read_that_commits_before_its_records_reach_the_sinks(
     fault_drill: tuple[DrillResult, DrillResult, DrillResult],
 ) -> None:
     _, broken, control = fault_drill
