@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -37,11 +38,49 @@ class ServiceError(RuntimeError):
     """A service could not be installed, started, reached or stopped; the message says which and why."""
 
 
+# Ports handed out by this process: two services set up in one go must not get the same one before either binds it.
+_HANDED_OUT: set[int] = set()
+_LOWEST_PORT = 10_000
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    """A TCP port on 127.0.0.1 that nothing listens on right now, below the kernel's ephemeral range.
+
+    Services keep their ports across restarts (a restarted TaskManager or broker comes back on the ports the others
+    know). A port from the ephemeral range can be taken, while its service is down, as the local end of any outgoing
+    connection (a Kafka client's, a psycopg pool's), and the restart then fails on "address already in use"; ports
+    below that range are only ever bound on purpose. Falls back to a kernel-chosen port when none is found.
+    """
+    low, _ = _ephemeral_range()
+    if low - 1 > _LOWEST_PORT:
+        rng = random.Random()
+        for _ in range(200):
+            port = rng.randint(_LOWEST_PORT, low - 1)
+            if port not in _HANDED_OUT and _bindable(port):
+                _HANDED_OUT.add(port)
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+        port = int(sock.getsockname()[1])
+    _HANDED_OUT.add(port)
+    return port
 
 
 def wait_until(check: Callable[[], bool], timeout: float, what: str, interval: float = 0.25) -> None:
