@@ -19,11 +19,24 @@ from beamflow.services import ServiceSet, ServiceState
 from beamflow.services.paths import cache_dir, project_root
 
 pytest_plugins: list[str] = []
+SERVICE_FIXTURES = ("kafka", "postgres", "registry", "flink")
+
+
+def _test_data() -> Path:
+    return Path(os.environ.get("BEAMFLOW_TEST_DATA", project_root() / ".data" / "test"))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # The services the selected tests use are installed in the background from the start (on a fresh machine: minutes
+    # of downloads and builds each, otherwise stamp checks), so the first tests do not wait for all of them in turn.
+    needed = {name for item in session.items for name in getattr(item, "fixturenames", ()) if name in SERVICE_FIXTURES}
+    if needed:
+        ServiceSet(data=_test_data(), cache=cache_dir()).prefetch([n for n in SERVICE_FIXTURES if n in needed])
 
 
 @pytest.fixture(scope="session")
 def service_set() -> Iterator[ServiceSet]:
-    data = Path(os.environ.get("BEAMFLOW_TEST_DATA", project_root() / ".data" / "test"))
+    data = _test_data()
     shutil.rmtree(data, ignore_errors=True)
     services = ServiceSet(data=data, cache=cache_dir())
     started: list[str] = []

@@ -14,6 +14,7 @@ import random
 import signal
 import socket
 import subprocess
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -26,6 +27,7 @@ __all__ = [
     "ServiceError",
     "ServiceState",
     "free_port",
+    "install_lock",
     "pid_alive",
     "start_process",
     "stop_process_group",
@@ -192,6 +194,17 @@ class ServiceState:
             return None
 
 
+_INSTALL_LOCKS: dict[str, threading.Lock] = {}
+_INSTALL_LOCKS_GUARD = threading.Lock()
+
+
+def install_lock(name: str) -> threading.Lock:
+    """The lock a service's ``install`` runs under in this process: one installing thread per service (a background
+    prefetch and the service's own ``up`` wait for each other instead of downloading into the same folders)."""
+    with _INSTALL_LOCKS_GUARD:
+        return _INSTALL_LOCKS.setdefault(name, threading.Lock())
+
+
 class LocalService(ABC):
     """One real server on 127.0.0.1, with its data under ``data_dir/<name>``.
 
@@ -231,7 +244,8 @@ class LocalService(ABC):
                 if self.ready(current):
                     return current
             self.down()
-        self.install()
+        with install_lock(self.name):
+            self.install()
         self.home.mkdir(parents=True, exist_ok=True)
         state = self._start()
         state.save(self.state_path)

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from beamflow.services.base import ServiceError
-from beamflow.services.fetch import maven_artifact
+from beamflow.services.fetch import FLINK_MAVEN_REPO, maven_artifact
 from beamflow.services.gobuild import SourcePatch, patched_text
 
 __all__ = [
@@ -196,7 +196,9 @@ def sdf_residual_sources(beam_version: str, cache_dir: Path) -> Path:
     staging = target.with_name(f"{target.name}.partial-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     for file, artifact in _SOURCE_ARTIFACTS.items():
-        sources_jar = maven_artifact(f"org.apache.beam:{artifact}:{beam_version}:jar:sources", cache_dir)
+        sources_jar = maven_artifact(
+            f"org.apache.beam:{artifact}:{beam_version}:jar:sources", cache_dir, FLINK_MAVEN_REPO
+        )
         with zipfile.ZipFile(sources_jar) as jar:
             try:
                 text = jar.read(file).decode()

@@ -12,7 +12,12 @@ from pathlib import Path
 
 from beamflow.services.base import ServiceError
 
-__all__ = ["maven_artifact", "maven_classpath", "pypi_download"]
+__all__ = ["FLINK_MAVEN_REPO", "maven_artifact", "maven_classpath", "pypi_download"]
+
+# Maven 3.8 does not lock its local repository: two mvn processes writing one repository at once can leave it
+# corrupt. Flink's pieces (the job server's classpath, Beam's sources) are installed beside the other services'
+# (``ServiceSet.prefetch``), so they resolve into a repository of their own; the others share "m2", one at a time.
+FLINK_MAVEN_REPO = "m2-flink"
 
 _POM = """<project xmlns="http://maven.apache.org/POM/4.0.0">
   <modelVersion>4.0.0</modelVersion>
@@ -25,8 +30,10 @@ _POM = """<project xmlns="http://maven.apache.org/POM/4.0.0">
 """
 
 
-def maven_classpath(name: str, coordinates: Sequence[str], cache_dir: Path) -> Path:
+def maven_classpath(name: str, coordinates: Sequence[str], cache_dir: Path, repo: str = "m2") -> Path:
     """Resolves ``group:artifact:version`` coordinates with their runtime dependencies into ``cache_dir/jars/name``.
+
+    ``repo``: the Maven local repository under ``cache_dir`` (see ``MAVEN_REPOS``).
 
     Returns the folder holding the jars (use it as ``folder/*`` on a Java classpath).
     """
@@ -51,7 +58,7 @@ def maven_classpath(name: str, coordinates: Sequence[str], cache_dir: Path) -> P
         "-B",
         "-f",
         str(pom),
-        f"-Dmaven.repo.local={cache_dir / 'm2'}",
+        f"-Dmaven.repo.local={cache_dir / repo}",
         "dependency:copy-dependencies",
         "-DincludeScope=runtime",
         f"-DoutputDirectory={target}",
@@ -64,7 +71,7 @@ def maven_classpath(name: str, coordinates: Sequence[str], cache_dir: Path) -> P
     return target
 
 
-def maven_artifact(coordinate: str, cache_dir: Path) -> Path:
+def maven_artifact(coordinate: str, cache_dir: Path, repo: str = "m2") -> Path:
     """One artifact without its dependencies (``group:artifact:version[:packaging[:classifier]]``, e.g. a
     ``...:jar:sources`` jar) into ``cache_dir/artifacts``; returns the file."""
     _group, artifact, version, *rest = coordinate.split(":")
@@ -76,7 +83,7 @@ def maven_artifact(coordinate: str, cache_dir: Path) -> Path:
         return path
     target.mkdir(parents=True, exist_ok=True)
     cmd = [
-        "mvn", "-q", "-B", f"-Dmaven.repo.local={cache_dir.resolve() / 'm2'}",
+        "mvn", "-q", "-B", f"-Dmaven.repo.local={cache_dir.resolve() / repo}",
         "org.apache.maven.plugins:maven-dependency-plugin:3.6.1:copy",
         f"-Dartifact={coordinate}", f"-DoutputDirectory={target}",
     ]  # fmt: skip

@@ -85,7 +85,7 @@ from beamflow.services.base import (
     wait_until,
 )
 from beamflow.services.beam_patches import SDF_RESIDUALS_JAR, sdf_residual_sources
-from beamflow.services.fetch import maven_classpath, pypi_download
+from beamflow.services.fetch import FLINK_MAVEN_REPO, maven_classpath, pypi_download
 from beamflow.services.gobuild import go_install
 from beamflow.services.paths import project_root
 
@@ -268,7 +268,7 @@ class FlinkService(LocalService):
     def job_server_classpath(self) -> Path:
         """The folder of Beam's Flink job server jars (the runner with its runtime dependencies), resolved once."""
         return maven_classpath(
-            f"beam-flink-job-server-{BEAM_VERSION}-flink-1.19", JOB_SERVER_COORDINATES, self.cache_dir
+            f"beam-flink-job-server-{BEAM_VERSION}-flink-1.19", JOB_SERVER_COORDINATES, self.cache_dir, FLINK_MAVEN_REPO
         )
 
     def _install_distribution(self) -> Path:

@@ -1,0 +1,80 @@
+"""ServiceSet.prefetch: installs run in parallel where they may, never two into one Maven repository at once, and a
+service's own ``up`` waits for its install in progress instead of running a second one beside it."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import beamflow.services as services
+from beamflow.services import ServiceSet, ServiceState
+from beamflow.services.base import LocalService
+
+RECORD: list[tuple[str, float, float]] = []
+_RECORD_LOCK = threading.Lock()
+
+
+class _Recording(LocalService):
+    """Installs by sleeping, and records when; starts nothing (the scheduling is under test, not a server)."""
+
+    def install(self) -> None:
+        start = time.monotonic()
+        time.sleep(0.3)
+        with _RECORD_LOCK:
+            RECORD.append((self.name, start, time.monotonic()))
+
+    def _start(self) -> ServiceState:
+        return ServiceState(name=self.name, pids=[], ports={})
+
+    def ready(self, state: ServiceState) -> bool:
+        return True
+
+
+class Kafka(_Recording):
+    name = "kafka"
+
+
+class Postgres(_Recording):
+    name = "postgres"
+
+
+class Registry(_Recording):
+    name = "registry"
+
+
+class Flink(_Recording):
+    name = "flink"
+
+
+def _overlap(a: str, b: str) -> bool:
+    (_, a0, a1), (_, b0, b1) = (next(r for r in RECORD if r[0] == n) for n in (a, b))
+    return a0 < b1 and b0 < a1
+
+
+@pytest.fixture
+def recording(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> ServiceSet:
+    RECORD.clear()
+    for name, cls in {"kafka": Kafka, "postgres": Postgres, "registry": Registry, "flink": Flink}.items():
+        monkeypatch.setitem(services.SERVICES, name, f"{__name__}:{cls.__name__}")
+    return ServiceSet(data=tmp_path / "data", cache=tmp_path / "cache")
+
+
+def test_prefetch_overlaps_flink_and_postgres_but_never_two_users_of_one_maven_repository(recording: ServiceSet) -> None:
+    for thread in recording.prefetch(["kafka", "postgres", "registry", "flink"]):
+        thread.join(10)
+    assert sorted(r[0] for r in RECORD) == ["flink", "kafka", "postgres", "registry"]
+    assert not _overlap("kafka", "registry")  # one shared Maven repository (Maven 3.8 does not lock it)
+    assert _overlap("flink", "kafka") and _overlap("postgres", "kafka")
+
+
+def test_up_waits_for_the_install_in_progress_and_installs_once_more_only_after_it(recording: ServiceSet) -> None:
+    threads = recording.prefetch(["flink"])
+    time.sleep(0.05)
+    recording.get("flink").up()  # blocks on the prefetch's install lock
+    for thread in threads:
+        thread.join(10)
+    installs = sorted((start, end) for name, start, end in RECORD if name == "flink")
+    assert len(installs) == 2 and installs[1][0] >= installs[0][1]
