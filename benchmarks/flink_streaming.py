@@ -19,9 +19,12 @@ events, an idle partition, schema v2 from the middle, bad records of every kind)
 
 Figures: time to catch up (job RUNNING -> every backlog record is in its sink and the group's committed offsets reached
 the backlog's end offsets), records/s consumed (committed offsets sampled every second: over the whole catch-up, and
-"sustained" = the slope between 10% and 90% of the backlog committed), consumer lag over time, every checkpoint's
-duration with its alignment / sync / async parts (Flink REST, the slowest subtask of each vertex), busy and
-backpressured time per vertex, CPU seconds per process role from /proc, and the latency from produce to visible:
+"sustained" = the slope between 10% and 90% of the backlog committed; the offsets move once per checkpoint, so the
+same slope is also taken from the moments the backlog's events became visible in Iceberg, which the sink commits about
+once a second per subtask), consumer lag over time, every checkpoint's duration with its alignment / sync / async parts
+(Flink REST, the slowest subtask of each vertex), busy and backpressured time per vertex, CPU seconds per process role
+from /proc and the whole machine's busy cores (/proc/stat: p1's busy cores give the ceiling this machine leaves p2 /
+p1, cores / busy cores), and the latency from produce to visible:
 in Iceberg for every live event (the commit time of the first snapshot whose added files hold its event id, read after
 the run), and in the PostgreSQL sessions table for sampled live events (polled: a session row of the user whose
 offset ranges hold the event's Kafka coordinates). Each variant is audited as the Flink tests do
@@ -201,6 +204,12 @@ def _proc_table() -> dict[int, tuple[int, float, str]]:
             continue
         out[int(entry.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick, cmd)
     return out
+
+
+def machine_busy_s() -> float:
+    """CPU seconds the whole machine has been busy (every core, every process: /proc/stat minus idle and iowait)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def cpu_by_role(roots: dict[str, list[int]]) -> dict[str, float]:
@@ -557,6 +566,20 @@ def _percentiles(values: list[float]) -> dict[str, float | int | None]:
     return {"n": len(ordered), "p50": pick(0.5), "p99": pick(0.99), "max": ordered[-1]}
 
 
+def _visible_sustained(visible_ms: list[int], total_records: int) -> float | None:
+    """Records/s between the moments 10% and 90% of the backlog's events were visible in Iceberg, scaled from events
+    to backlog records. The sink commits once per bundle (about once a second per subtask), so this slope has about a
+    second's resolution, against a checkpoint interval's for the committed offsets."""
+    if len(visible_ms) < 10:
+        return None
+    ordered = sorted(visible_ms)
+    lo, hi = ordered[int(0.1 * len(ordered))], ordered[int(0.9 * len(ordered)) - 1]
+    if hi <= lo:
+        return None
+    events_per_s = (int(0.9 * len(ordered)) - 1 - int(0.1 * len(ordered))) / ((hi - lo) / 1000)
+    return events_per_s * total_records / len(ordered)
+
+
 def _sustained(offsets: list[tuple[float, int, int]], total: int, since: float) -> float | None:
     """Records/s between the samples where 10% and 90% of ``total`` were committed (committed offsets move in steps,
     one per checkpoint, so the span covers several checkpoints)."""
@@ -600,6 +623,7 @@ def run_streaming(
     sampler.t0 = running_at
     sampler.expected_pg = int(backlog.counts["duplicate_sends"] + backlog.counts["bad_records"])
     cpu_start = cpu_by_role(roots)
+    busy_start = machine_busy_s()
     sampler.start()
     deadline = time.monotonic() + args.timeout
     try:
@@ -610,8 +634,11 @@ def run_streaming(
                 raise RuntimeError(f"{label}: job {job_id} is {rest.job_state(job_id)}")
             time.sleep(1)
         cpu_caught = cpu_by_role(roots)
+        busy_caught = machine_busy_s()
         caught_wall = time.time()
         out["cpu_s"] = {k: round(cpu_caught.get(k, 0) - cpu_start.get(k, 0), 1) for k in cpu_caught}
+        out["machine_busy_s"] = round(busy_caught - busy_start, 1)
+        out["machine_wall_s"] = round(time.time() - running_at, 1)
         # The live traffic produced during the catch-up is still ahead of the job: the steady state starts once the
         # lag is down to what the live rate leaves between two commits of the group's offsets (they move once per
         # checkpoint, so up to two intervals of live records), not at the backlog's end.
@@ -671,6 +698,7 @@ def run_streaming(
         rate_over_catch_up=committed_at_catch_up / caught,
         backlog_rate=total_backlog / caught,
         sustained=_sustained(sampler.offsets, total_backlog, 0.0) or committed_at_catch_up / caught,
+        visible_sustained=_visible_sustained([first_seen[i] for i in backlog_ids if i in first_seen], total_backlog),
         offsets=sampler.offsets,
         sampler_errors=sampler.errors[:20],
         iceberg_missing_backlog=missing,
@@ -808,7 +836,9 @@ def report(figures: dict[str, Any]) -> list[str]:
             f"intervals of it) {v['live_caught_up_s']:.1f}s after RUNNING\n"
             f"  records/s: sustained (10%->90% of the backlog committed) "
             + (f"{v['sustained']:,.0f}" if v["sustained"] else "?")
-            + f", over the whole catch-up {v['rate_over_catch_up']:,.0f} (consumed incl. live), backlog/catch-up "
+            + "; by Iceberg visibility (10%->90% of the backlog's events) "
+            + (f"{v['visible_sustained']:,.0f}" if v.get("visible_sustained") else "?")
+            + f"; over the whole catch-up {v['rate_over_catch_up']:,.0f} (consumed incl. live), backlog/catch-up "
             f"{v['backlog_rate']:,.0f}; live {v['live']['rate']}/s, {v['live']['records']:,} live records\n"
             f"  checkpoints: {len(cps)} completed, counts {v['checkpoint_counts']}; duration s p50 "
             f"{statistics.median(durations) if durations else 0:.1f} max {max(durations, default=0):.1f} (interval "
@@ -821,6 +851,12 @@ def report(figures: dict[str, Any]) -> list[str]:
             f"{lat['sessions_steady']['p99']} s (n={lat['sessions_steady']['n']}); "
             f"not found {lat['sessions_not_found']}"
             f"\n  CPU s during the catch-up: {v['cpu_s']}"
+            + (
+                f"\n  machine busy {v['machine_busy_s']:.0f} CPU s in {v['machine_wall_s']:.0f} s: "
+                f"{v['machine_busy_s'] / v['machine_wall_s']:.2f} of {figures['nproc']} cores"
+                if v.get("machine_wall_s")
+                else ""
+            )
         )
         lines.append("  slowest checkpoint parts (max over subtasks, per vertex; ms):")
         worst = sorted(cps, key=lambda c: -c["duration_ms"])[:3]
@@ -858,6 +894,14 @@ def report(figures: dict[str, Any]) -> list[str]:
         ratios["p2_over_p1"] = p2["sustained"] / p1["sustained"]
     if p1 and p1["sustained"] and direct:
         ratios["p1_over_direct"] = p1["sustained"] / (direct["records"] / direct["seconds"])
+    if p1 and p2 and p1.get("visible_sustained") and p2.get("visible_sustained"):
+        ratios["p2_over_p1_visible"] = p2["visible_sustained"] / p1["visible_sustained"]
+    if p1 and p1.get("visible_sustained") and direct:
+        ratios["p1_over_direct_visible"] = p1["visible_sustained"] / (direct["records"] / direct["seconds"])
+    if p1 and p1.get("machine_wall_s"):
+        # What this machine leaves p2: if p1 already keeps c of its n cores busy, p2 can at best go n / c times as
+        # fast, however well the job scales (the broker, PostgreSQL and the JobManager share the same cores).
+        ratios["p2_over_p1_cpu_ceiling"] = figures["nproc"] / (p1["machine_busy_s"] / p1["machine_wall_s"])
     all_cps = [c["duration_ms"] for v in figures["streaming"] for c in v["checkpoints"] if c["status"] == "COMPLETED"]
     if all_cps:
         ratios["checkpoint_over_interval"] = max(all_cps) / figures["interval_ms"]
@@ -868,9 +912,20 @@ def report(figures: dict[str, Any]) -> list[str]:
     lines.append("\nratios (measured in this run):")
     lines.append(_goal_line("p2 / p1 sustained records/s", ratios.get("p2_over_p1"), 1.7, True, "p1 and p2 needed"))
     lines.append(
+        _goal_line("  the same by Iceberg visibility", ratios.get("p2_over_p1_visible"), 1.7, True, "p1 and p2 needed")
+    )
+    if ratios.get("p2_over_p1_cpu_ceiling"):
+        lines.append(
+            f"  (this machine's ceiling for it: {figures['nproc']} cores / the cores busy during p1's catch-up = "
+            f"{ratios['p2_over_p1_cpu_ceiling']:.2f})"
+        )
+    lines.append(
         _goal_line(
             "p1 streaming sustained / DirectRunner records/s", ratios.get("p1_over_direct"), 0.5, True, "direct needed"
         )
+    )
+    lines.append(
+        _goal_line("  the same by Iceberg visibility", ratios.get("p1_over_direct_visible"), 0.5, True, "direct needed")
     )
     lines.append(
         _goal_line("max checkpoint duration / interval", ratios.get("checkpoint_over_interval"), 1.0, False, "all")

@@ -46,7 +46,7 @@ from psycopg import sql
 
 from beamflow.aggregates import SessionClicks
 from beamflow.kafka.offset_ranges import OffsetRanges
-from beamflow.postgres.arrays import int_array, text_array
+from beamflow.postgres.arrays import array_literal, int_array, text_array, timestamptz_array
 from beamflow.postgres.retry import RetryPolicy
 from beamflow.postgres.table import TableSpec, create_table, existing_columns
 
@@ -355,7 +355,7 @@ class SessionStore:
                         "DELETE FROM {t} USING unnest(%s::text[], %s::timestamptz[]) AS d(user_id, session_start) "
                         "WHERE {t}.user_id = d.user_id AND {t}.session_start = d.session_start"
                     ).format(t=self.spec.qualified),
-                    ([u for u, _ in deletes], [s for _, s in deletes]),
+                    (text_array(u for u, _ in deletes), timestamptz_array(s for _, s in deletes)),
                 )
                 out.rows_deleted += max(cur.rowcount, 0)
             if inserts:
@@ -367,7 +367,7 @@ class SessionStore:
                             sql.SQL("%s::{}[]").format(sql.SQL(_TYPES[SESSION_COLUMNS[n]])) for n in _NAMES
                         ),
                     ),
-                    [[row[n] for row in inserts] for n in _NAMES],
+                    [array_literal([row[n] for row in inserts], _TYPES[SESSION_COLUMNS[n]]) for n in _NAMES],
                 )
                 out.rows_inserted += max(cur.rowcount, 0)
         return out
@@ -383,7 +383,14 @@ class SessionStore:
         ).format(
             cols=sql.SQL(", ").join(sql.SQL("s.{}").format(sql.Identifier(n)) for n in _NAMES), t=self.spec.qualified
         )
-        cur = conn.execute(query, (text_array(p[0] for p in probes), [p[1] for p in probes], [p[2] for p in probes]))
+        cur = conn.execute(
+            query,
+            (
+                text_array(p[0] for p in probes),
+                timestamptz_array(p[1] for p in probes),
+                timestamptz_array(p[2] for p in probes),
+            ),
+        )
         unique = {(r[0], r[1]): r for r in cur.fetchall()}  # a stored row may overlap several probes
         return [Session.from_row(dict(zip(_NAMES, r, strict=True))) for r in unique.values()]
 

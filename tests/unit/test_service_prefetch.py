@@ -62,7 +62,7 @@ def recording(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> ServiceSet:
     return ServiceSet(data=tmp_path / "data", cache=tmp_path / "cache")
 
 
-def test_prefetch_overlaps_flink_and_postgres_but_never_two_users_of_one_maven_repository(recording: ServiceSet) -> None:
+def test_prefetch_overlaps_installs_but_never_two_users_of_one_maven_repository(recording: ServiceSet) -> None:
     for thread in recording.prefetch(["kafka", "postgres", "registry", "flink"]):
         thread.join(10)
     assert sorted(r[0] for r in RECORD) == ["flink", "kafka", "postgres", "registry"]
