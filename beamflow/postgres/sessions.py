@@ -35,6 +35,7 @@ ledger, is refused with a clear error.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import hashlib
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -286,8 +287,14 @@ class SessionStore:
         self._retry.call(ensure, on_retry=self._count_retry)
 
     def write(self, rows: Iterable[Session | Mapping[str, Any]]) -> SessionWriteStats:
-        """Merges ``rows`` (new, possibly partial or repeated sessions) into the table in one transaction; returns
-        this call's counts."""
+        """Merges ``rows`` (new, possibly partial or repeated sessions) into the table; returns this call's counts.
+
+        Each user's rows are merged in one transaction, under that user's lock. The first transaction takes the locks
+        that are free and leaves out the users whose lock another writer holds (at parallelism 2 the other subtask
+        writes the same hot users in nearly every batch); a second one, after the first committed, waits for those.
+        So a writer never waits for a lock while holding its other users' locks, and two writers mostly proceed side
+        by side instead of one after the other (measured: 2.4-2.7 s of 35 s per worker waiting, before).
+        """
         sessions = [s if isinstance(s, Session) else Session.from_row(s) for s in rows]
         if not sessions:
             return SessionWriteStats()
@@ -301,8 +308,16 @@ class SessionStore:
         by_user: dict[str, list[Session]] = defaultdict(list)
         for s in sessions:
             by_user[s.user_id].append(s)
-        outcome = self._retry.call(lambda: self._transaction(by_user), on_retry=self._count_retry)
-        outcome.batches, outcome.rows_in = 1, len(sessions)
+        outcome = SessionWriteStats(rows_in=len(sessions))
+        pending: Mapping[str, list[Session]] = by_user
+        wait = False
+        while pending:
+            attempt = functools.partial(self._transaction, pending, wait)
+            done, pending = self._retry.call(attempt, on_retry=self._count_retry)
+            outcome.batches += 1
+            for name in ("rows_inserted", "rows_deleted", "unchanged", "events_already_stored"):
+                setattr(outcome, name, getattr(outcome, name) + getattr(done, name))
+            wait = True  # the users left out: few, and their other writer has likely committed meanwhile
         for name in ("batches", "rows_in", "rows_inserted", "rows_deleted", "unchanged", "events_already_stored"):
             setattr(self.stats, name, getattr(self.stats, name) + getattr(outcome, name))
         return outcome
@@ -319,15 +334,30 @@ class SessionStore:
 
     # ---- the transaction ----------------------------------------------------------------------------------------
 
-    def _transaction(self, by_user: Mapping[str, list[Session]]) -> SessionWriteStats:
+    def _transaction(
+        self, by_user: Mapping[str, list[Session]], wait: bool = True
+    ) -> tuple[SessionWriteStats, dict[str, list[Session]]]:
+        """Merges ``by_user`` in one transaction; returns its counts and the users left out (only when not ``wait``:
+        those whose lock another writer held)."""
         out = SessionWriteStats()
         # Locks taken in one order by every writer (no deadlock between two merging overlapping users).
         keyed = sorted((_lock_key(self.spec.display_name, u), u) for u in by_user)
-        users = [u for _, u in keyed]
+        left_out: dict[str, list[Session]] = {}
         with self._connection() as conn, conn.transaction():
-            conn.execute(
-                "SELECT pg_advisory_xact_lock(k) FROM unnest(%s::bigint[]) AS u(k)", (int_array([k for k, _ in keyed]),)
-            )
+            keys = int_array([k for k, _ in keyed])
+            if wait:
+                conn.execute("SELECT pg_advisory_xact_lock(k) FROM unnest(%s::bigint[]) AS u(k)", (keys,))
+            else:
+                # Try-locks never wait, so their order does not matter; the ones taken are held to the commit.
+                held = conn.execute(
+                    "SELECT k, pg_try_advisory_xact_lock(k) FROM unnest(%s::bigint[]) AS u(k)", (keys,)
+                ).fetchall()
+                busy = {k for k, taken in held if not taken}
+                if busy:
+                    left_out = {u: list(by_user[u]) for k, u in keyed if k in busy}
+                    keyed = [(k, u) for k, u in keyed if k not in busy]
+                    by_user = {u: by_user[u] for _, u in keyed}
+            users = [u for _, u in keyed]
             by_user = self._claim(conn, by_user, out)
             users = [u for u in users if u in by_user]
             stored: dict[str, dict[dt.datetime, Session]] = defaultdict(dict)
@@ -370,7 +400,7 @@ class SessionStore:
                     [array_literal([row[n] for row in inserts], _TYPES[SESSION_COLUMNS[n]]) for n in _NAMES],
                 )
                 out.rows_inserted += max(cur.rowcount, 0)
-        return out
+        return out, left_out
 
     def _lock_overlapping(
         self, conn: psycopg.Connection[Any], probes: Sequence[tuple[str, dt.datetime, dt.datetime]]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime as dt
 import itertools
 import threading
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -267,3 +268,34 @@ def test_concurrent_writers_of_one_user_are_serialised(table: tuple[str, str]) -
     assert not errors
     store = SessionStore.connect(dsn, name)
     assert _rows(store) == _expected(events)
+
+
+def test_a_writer_merges_its_free_users_at_once_and_waits_only_for_a_locked_one(table: tuple[str, str]) -> None:
+    """Another writer holds user "hot"'s lock: this write commits "cold" at once, without holding "cold"'s lock while
+    it waits, and merges "hot" once the lock is released, each counted once."""
+    from beamflow.postgres.sessions import _lock_key
+
+    dsn, name = table
+    store = SessionStore.connect(dsn, name)
+    store.ensure_table()
+    events = [_ev("hot", 0, 0), _ev("cold", 0, 1), _ev("hot", 1, 2, "click")]
+    done = threading.Event()
+    stats: list[object] = []
+    with psycopg.connect(dsn) as holder:
+        holder.execute("SELECT pg_advisory_xact_lock(%s)", (_lock_key(store.spec.display_name, "hot"),))
+        writer = threading.Thread(target=lambda: (stats.append(store.write(sessions_of(events))), done.set()))
+        writer.start()
+        deadline = time.monotonic() + 30
+        while not [s for s in SessionStore.connect(dsn, name).read() if s.user_id == "cold"]:
+            assert time.monotonic() < deadline, "the free user was not merged while another writer held a lock"
+            time.sleep(0.05)
+        assert not done.is_set()  # "hot" waits for its lock
+        with psycopg.connect(dsn, autocommit=True) as other:  # "cold"'s lock is not held while the write waits
+            assert other.execute(
+                "SELECT pg_try_advisory_lock(%s)", (_lock_key(store.spec.display_name, "cold"),)
+            ).fetchone() == (True,)
+        holder.rollback()  # releases "hot"
+    writer.join(30)
+    assert done.is_set()
+    assert _rows(store) == _expected(events)
+    assert stats[0].batches == 2  # type: ignore[attr-defined]
