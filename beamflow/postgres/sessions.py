@@ -1,13 +1,14 @@
-"""The sessions store: new (partial) sessions merged with the stored ones they touch, in one transaction. No Beam.
+"""The sessions store: new (partial) sessions merged with the stored ones they touch, atomically per user. No Beam.
 
 Why: a bounded run sees only the events of its own offset ranges, so a session that spans two runs arrives as two
 partial sessions, and a rerun after a crash between the sinks and the offset commit (or a restored streaming job)
 delivers events a stored session already counts. Upserting rows by (user, start) leaves both kinds of run boundary
 visible: overlapping rows for one user, and events counted twice. ``SessionStore.write`` instead, per batch and in
-ONE transaction:
+ONE transaction per user (a batch is one transaction, or two when another writer holds some of its users' locks):
 
 1. takes a transaction-scoped advisory lock per user (sorted, so concurrent writers cannot deadlock; two writers of
-   one user are serialised even when that user has no stored row yet to lock);
+   one user are serialised even when that user has no stored row yet to lock). The first transaction only tries the
+   locks and leaves out the users another writer holds; the second, after the first committed, waits for those;
 2. claims the new sessions' events by Kafka coordinates in the table's events ledger (``<table>_events``, primary
    key partition and offset; ``INSERT ... ON CONFLICT DO NOTHING RETURNING``): only the events claimed now are
    counted, so an event that any stored session already counts is counted once, whatever run delivered it again;
@@ -231,7 +232,7 @@ class SessionStore:
 
         store = SessionStore(conn_factory, "click_sessions")   # or SessionStore.connect(dsn, table)
         store.ensure_table()
-        store.write(rows)                                       # dicts with SESSION_COLUMNS, one transaction
+        store.write(rows)                                       # dicts with SESSION_COLUMNS; each user atomically
 
     ``connection`` is a callable giving a context manager that yields a psycopg connection (a pool's
     ``pool.connection`` or ``lambda: psycopg.connect(dsn)``). Transient failures retry the whole transaction.
