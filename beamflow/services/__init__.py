@@ -63,8 +63,9 @@ class ServiceSet:
     def _install_all(self, names: list[str]) -> None:
         for name in names:
             try:
-                with install_lock(name):
-                    self.get(name).install()
+                service = self.get(name)
+                with install_lock(name, service.cache_dir):
+                    service.install()
             except Exception as exc:  # up() installs again and raises it where it is needed
                 logging.getLogger(__name__).warning("prefetching %s failed: %s", name, exc)
 

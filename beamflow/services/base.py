@@ -8,6 +8,7 @@ start it (``beamflow services up``) and another can use or stop it (tests, the d
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import random
@@ -17,7 +18,7 @@ import subprocess
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -198,11 +199,18 @@ _INSTALL_LOCKS: dict[str, threading.Lock] = {}
 _INSTALL_LOCKS_GUARD = threading.Lock()
 
 
-def install_lock(name: str) -> threading.Lock:
-    """The lock a service's ``install`` runs under in this process: one installing thread per service (a background
-    prefetch and the service's own ``up`` wait for each other instead of downloading into the same folders)."""
+@contextlib.contextmanager
+def install_lock(name: str, cache_dir: Path) -> Iterator[None]:
+    """Held while a service's ``install`` runs: one installer per service and cache folder, across threads (a
+    background prefetch and the service's own ``up``) and across processes (a test's subprocess running ``beamflow
+    services up`` while the test session's prefetch still installs), so two never download into the same folders."""
     with _INSTALL_LOCKS_GUARD:
-        return _INSTALL_LOCKS.setdefault(name, threading.Lock())
+        in_process = _INSTALL_LOCKS.setdefault(name, threading.Lock())
+    with in_process:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        with open(cache_dir / f".install-{name}.lock", "w") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)  # released when the file closes
+            yield
 
 
 class LocalService(ABC):
@@ -244,7 +252,7 @@ class LocalService(ABC):
                 if self.ready(current):
                     return current
             self.down()
-        with install_lock(self.name):
+        with install_lock(self.name, self.cache_dir):
             self.install()
         self.home.mkdir(parents=True, exist_ok=True)
         state = self._start()

@@ -1,8 +1,11 @@
 """ServiceSet.prefetch: installs run in parallel where they may, never two into one Maven repository at once, and a
-service's own ``up`` waits for its install in progress instead of running a second one beside it."""
+service's own ``up`` waits for its install in progress (in this process or another) instead of running a second one
+beside it."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -78,3 +81,23 @@ def test_up_waits_for_the_install_in_progress_and_installs_once_more_only_after_
         thread.join(10)
     installs = sorted((start, end) for name, start, end in RECORD if name == "flink")
     assert len(installs) == 2 and installs[1][0] >= installs[0][1]
+
+
+def test_up_waits_for_an_install_of_the_same_cache_in_another_process(recording: ServiceSet) -> None:
+    holder = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from beamflow.services.base import install_lock\n"
+        "with install_lock('flink', Path(sys.argv[1])):\n"
+        "    print('held', flush=True)\n"
+        "    time.sleep(1.5)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", holder, str(recording.cache)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+        held_at = time.monotonic()
+        recording.get("flink").up()
+    finally:
+        proc.wait(30)
+    [(_, started, _)] = [r for r in RECORD if r[0] == "flink"]
+    assert started - held_at >= 1.0  # the other process's install was waited for
