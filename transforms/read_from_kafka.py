@@ -41,20 +41,24 @@ from __future__ import annotations
 import sys
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import apache_beam as beam
+from apache_beam.coders import FastPrimitivesCoder
 from apache_beam.io.iobase import RestrictionTracker, WatermarkEstimator
 from apache_beam.io.restriction_trackers import OffsetRange, OffsetRestrictionTracker
 from apache_beam.io.watermark_estimators import WalltimeWatermarkEstimator
 from apache_beam.metrics import Metrics
+from apache_beam.options.pipeline_options import FlinkRunnerOptions, StandardOptions
 from apache_beam.transforms.core import RestrictionProvider, WatermarkEstimatorProvider
 from apache_beam.transforms.window import TimestampedValue
 from apache_beam.utils.timestamp import Duration, Timestamp
 from apache_beam.utils.windowed_value import create as windowed_value
 
+from beamflow.flink_keys import default_max_parallelism, length_prefixed, subtask_of_key
 from beamflow.kafka.client import KafkaConsumerClient, open_consumer
 from beamflow.kafka.commits import DEFAULT_ROUND_GAP_S, ForwardOnlyCommitter, RoundDelayedCommits
 from beamflow.kafka.guard import exclusive_reader
@@ -121,6 +125,53 @@ class _ReaderConfig:
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
+
+
+@dataclass(frozen=True, order=True)
+class _RoutedPartition(TopicPartition):
+    """A partition's descriptor with a salt (``route``) picked so that its encoded bytes hash to a chosen subtask."""
+
+    route: int = 0
+
+
+@dataclass(frozen=True)
+class _ReaderSpread:
+    """Spreads partitions over the read's subtasks round robin, as Flink's ``KafkaSource`` assigns them.
+
+    Why: Beam's Flink runner keys the read's input by the descriptor's encoded bytes, and Flink gives each key to the
+    subtask that owns its hash's key group, so four partitions on two subtasks split 3/1 as often as 2/2 and the job
+    runs at the pace of the subtask with three (measured: ``docs/streaming.md``). Partition i of a topic goes to
+    subtask ``(crc32(topic) + i) % parallelism``: the descriptor carries the first salt whose key lands there
+    (about ``parallelism`` tries). The read's input is typed ``Any``, so its coder is ``FastPrimitivesCoder`` and the
+    runner sees it length-prefixed (``beamflow.flink_keys``). A job restored at another parallelism keeps its
+    descriptors: their partitions stay where their keys hash, still one reader each, only not balanced.
+    """
+
+    parallelism: int
+    max_parallelism: int
+
+    def descriptor(self, topic: str, partition: int) -> TopicPartition:
+        target = (zlib.crc32(topic.encode()) + partition) % self.parallelism
+        coder = FastPrimitivesCoder()
+        for route in range(64 * self.parallelism):
+            routed = _RoutedPartition(topic, partition, route)
+            key = length_prefixed(coder.encode(routed))
+            if subtask_of_key(key, self.max_parallelism, self.parallelism) == target:
+                return routed
+        return TopicPartition(topic, partition)  # no salt found (not seen): the hash decides, as without spreading
+
+    @staticmethod
+    def for_options(options: Any) -> _ReaderSpread | None:
+        """The spread for a FlinkRunner job at a known parallelism; None elsewhere (one reader, or no keyed input)."""
+        runner = options.view_as(StandardOptions).runner
+        name = runner if isinstance(runner, str) else type(runner).__name__ if runner is not None else ""
+        flink = options.view_as(FlinkRunnerOptions)
+        if "Flink" not in name or flink.parallelism is None or flink.parallelism < 2:
+            return None
+        max_parallelism = flink.max_parallelism
+        if max_parallelism is None or max_parallelism <= 0:
+            max_parallelism = default_max_parallelism(flink.parallelism)
+        return _ReaderSpread(flink.parallelism, max_parallelism)
 
 
 # One round tracker per consumer group and worker process: the finalizer callbacks of a group's partitions may run on
@@ -293,8 +344,11 @@ class _ReadPartitionFn(beam.DoFn, _PartitionRestrictions, _PartitionWatermarks):
     ) -> Iterable[Any]:
         return self._read(element, bundle_finalizer, tracker, watermark_estimator)
 
-    def _read(self, tp: TopicPartition, bundle_finalizer: Any, tracker: Any, watermark_estimator: Any) -> Iterator[Any]:
+    def _read(
+        self, descriptor: TopicPartition, bundle_finalizer: Any, tracker: Any, watermark_estimator: Any
+    ) -> Iterator[Any]:
         config = self._config
+        tp = TopicPartition(descriptor.topic, descriptor.partition)  # without a spread's salt (pools, guard, commits)
         restriction: OffsetRange = tracker.current_restriction()
         watermark: PartitionWatermark = watermark_estimator.partition_watermark()
         if restriction.start >= restriction.stop:
@@ -427,9 +481,10 @@ class _WatchPartitionsFn(beam.DoFn, RestrictionProvider):
     readers". A claim lives in the runner's checkpoint, so a restored job neither re-emits nor forgets a partition.
     """
 
-    def __init__(self, config: _ReaderConfig, poll_interval_s: float) -> None:
+    def __init__(self, config: _ReaderConfig, poll_interval_s: float, spread: _ReaderSpread | None = None) -> None:
         self._config = config
         self._poll_interval_s = poll_interval_s
+        self._spread = spread
 
     def initial_restriction(self, element: str) -> OffsetRange:
         if self._config.stop.at_end_offsets or self._config.stop.max_records_per_partition is not None:
@@ -471,7 +526,9 @@ class _WatchPartitionsFn(beam.DoFn, RestrictionProvider):
                 return
             # Stamped with the wall clock, as the watcher's watermark is: a descriptor is never late, and the
             # watcher (which may wait forever for new partitions) never holds event time back.
-            yield TimestampedValue(TopicPartition(topic, position), time.time())
+            spread = self._spread
+            descriptor = spread.descriptor(topic, position) if spread is not None else TopicPartition(topic, position)
+            yield TimestampedValue(descriptor, time.time())
             position += 1
         until = self._config.stop.until_ms
         if until is not None and _now_ms() >= until:
@@ -565,7 +622,8 @@ class ReadFromKafka(beam.PTransform):
         finite = self._config.stop.at_end_offsets or self._config.stop.max_records_per_partition is not None
         watch_cls = _WatchPartitionsFn if finite else _UnboundedWatchPartitionsFn
         read_cls = _ReadPartitionFn if finite else _UnboundedReadPartitionFn
-        watch = watch_cls(self._config, self._partition_poll_interval_s)
+        spread = _ReaderSpread.for_options(pbegin.pipeline.options) if not finite else None
+        watch = watch_cls(self._config, self._partition_poll_interval_s, spread)
         read = read_cls(self._config, self._event_time_fn)
         records = (
             pbegin

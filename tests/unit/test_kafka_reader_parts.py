@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import threading
+from collections import Counter
+from typing import Any
 
 import pytest
+from apache_beam.coders import FastPrimitivesCoder
+from apache_beam.options.pipeline_options import PipelineOptions
+from apache_beam.pipeline import PipelineVisitor
 
+from beamflow.flink_keys import length_prefixed, subtask_of_key
 from beamflow.kafka.guard import DuplicateReaderError, exclusive_reader
 from beamflow.kafka.record import TopicPartition
 from beamflow.kafka.watermark import MIN_WATERMARK_MS, PartitionWatermark
@@ -91,3 +97,72 @@ def test_streaming_commits_wait_one_finalization_round() -> None:
     now[0] += 3.0
     assert rounds.finalized(p0, 60) == 50
     assert committed == [(0, 30), (1, 5), (0, 50)]
+
+
+def _subtasks(spread: Any, descriptors: list[TopicPartition]) -> list[int]:
+    coder = FastPrimitivesCoder()
+    return [
+        subtask_of_key(length_prefixed(coder.encode(d)), spread.max_parallelism, spread.parallelism)
+        for d in descriptors
+    ]
+
+
+def test_a_flink_job_spreads_partitions_round_robin_over_the_read_subtasks() -> None:
+    """Without the salt, the runner's key hash decides: for this topic (the one of a measured p2 run) it put
+    partitions 0, 1 and 3 on one subtask. With it, each subtask reads two."""
+    from transforms.read_from_kafka import _ReaderSpread
+
+    topic = "drill-fsp2_8dafb7"
+    spread = _ReaderSpread.for_options(PipelineOptions(["--runner=FlinkRunner", "--parallelism=2"]))
+    assert spread == _ReaderSpread(parallelism=2, max_parallelism=128)
+    plain = _subtasks(spread, [TopicPartition(topic, p) for p in range(4)])
+    assert sorted(Counter(plain).values()) == [1, 3]
+    routed = [spread.descriptor(topic, p) for p in range(4)]
+    assert [(d.topic, d.partition) for d in routed] == [(topic, p) for p in range(4)]
+    placed = _subtasks(spread, routed)
+    assert Counter(placed) == {0: 2, 1: 2}
+    assert placed[0] != placed[1] and placed[0] == placed[2]  # round robin
+    three = _ReaderSpread(parallelism=3, max_parallelism=256)
+    assert sorted(Counter(_subtasks(three, [three.descriptor("t", p) for p in range(9)])).values()) == [3, 3, 3]
+
+
+def test_no_spread_off_flink_or_at_parallelism_one() -> None:
+    from transforms.read_from_kafka import _ReaderSpread
+
+    assert _ReaderSpread.for_options(PipelineOptions(["--runner=DirectRunner", "--parallelism=2"])) is None
+    assert _ReaderSpread.for_options(PipelineOptions(["--runner=FlinkRunner", "--parallelism=1"])) is None
+    explicit = _ReaderSpread.for_options(
+        PipelineOptions(["--runner=FlinkRunner", "--parallelism=4", "--max_parallelism=64"])
+    )
+    assert explicit == _ReaderSpread(parallelism=4, max_parallelism=64)
+
+
+def test_the_reads_input_is_encoded_by_the_coder_the_spread_assumes() -> None:
+    """The spread hashes ``FastPrimitivesCoder`` bytes: that is the coder of the read's input PCollection."""
+    import apache_beam as beam
+
+    from transforms.read_from_kafka import ReadFromKafka
+
+    pipeline = beam.Pipeline(options=PipelineOptions(["--runner=FlinkRunner", "--parallelism=2", "--streaming"]))
+    pipeline | ReadFromKafka("127.0.0.1:1", ["t"], group_id="g")
+    inputs = [
+        applied.inputs[0]
+        for applied in _applied_transforms(pipeline)
+        if applied.full_label.endswith("ReadPartitions") and applied.inputs
+    ]
+    assert inputs, "no ReadPartitions step found"
+    assert isinstance(beam.coders.registry.get_coder(inputs[0].element_type), FastPrimitivesCoder)
+
+
+def _applied_transforms(pipeline: Any) -> list[Any]:
+    found: list[Any] = []
+
+    class Visitor(PipelineVisitor):
+        def visit_transform(self, node: Any) -> None:
+            found.append(node)
+
+        def enter_composite_transform(self, node: Any) -> None:
+            found.append(node)
+
+    pipeline.visit(Visitor())
+    return found
