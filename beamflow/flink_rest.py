@@ -121,6 +121,25 @@ class FlinkRest:
     def job_state(self, job_id: str) -> str:
         return str(self.job(job_id)["state"])
 
+    def partitions_read_by_subtask(self, job_id: str, topic: str) -> dict[int, set[int]]:
+        """Which Kafka partitions of ``topic`` each subtask of a running job's read has read, by subtask index.
+
+        From the read's per-partition Beam counters (``records_read.<topic>-<partition>``, which Flink registers per
+        subtask once the subtask reads that partition): who reads what is the runner's key hash, not a setting.
+        """
+        marker = f"records_read_{topic}-"
+        owners: dict[int, set[int]] = {}
+        for vertex in self.job(job_id).get("vertices", []):
+            if "ReadPartitions" not in vertex.get("name", ""):
+                continue
+            for subtask in range(int(vertex.get("parallelism", 1))):
+                metrics = self._request("GET", f"/jobs/{job_id}/vertices/{vertex['id']}/subtasks/{subtask}/metrics")
+                for metric in metrics:
+                    name = str(metric["id"])
+                    if marker in name and name.rsplit("-", 1)[-1].isdigit():
+                        owners.setdefault(subtask, set()).add(int(name.rsplit("-", 1)[-1]))
+        return owners
+
     def job_exceptions(self, job_id: str) -> dict[str, Any]:
         result: dict[str, Any] = self._request("GET", f"/jobs/{job_id}/exceptions")
         return result

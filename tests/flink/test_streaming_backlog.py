@@ -11,16 +11,20 @@ notice. Then: lag reaches zero, no checkpoint failed or expired, no restart, and
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from apache_beam.coders import FastPrimitivesCoder
 
 from beamflow.config import load_config
+from beamflow.flink_keys import default_max_parallelism, length_prefixed, subtask_of_key
 from beamflow.flink_rest import FlinkRest
 from beamflow.generate import GeneratedTraffic, TrafficSpec, avro_click_encoder, generate_traffic
 from beamflow.kafka.admin import create_topic, produce
+from beamflow.kafka.record import TopicPartition
 from beamflow.services import ServiceSet, ServiceState
 from beamflow.services.beam_patches import checkpoint_residual_states
 from beamflow.services.paths import project_root
@@ -117,6 +121,7 @@ def backlog_run(
     assert config["flink"]["parallelism"] == 2
     run = config["job"]["name"]
     config["kafka"]["partitions"] = 4
+    config["kafka"]["topic"] = _topic_the_hash_alone_would_skew(config, 4)
     config["postgres"]["first_copies_table"] = f"first_copies_{run}"
     spec = TrafficSpec(
         events=BACKLOG_EVENTS + LIVE_EVENTS,
@@ -141,6 +146,7 @@ def backlog_run(
     # --attached keeps the submitter alive (as if an operator's shell held it), so the test can kill it mid-stream.
     job = DrillJob(config, work, "main", ("--attached",))
     result: dict[str, Any] = {"config": config, "traffic": traffic, "job": job, "timings": {}}
+    result["backlog_per_partition"] = Counter(r.partition for r in traffic.records[:split])
     t0 = time.monotonic()
     try:
         job.start()
@@ -166,6 +172,7 @@ def backlog_run(
         result["checkpoints"] = rest.checkpoints(job.job_id)
         result["exceptions"] = rest.job_exceptions(job.job_id)
         result["end_offsets"] = end
+        result["partition_owners"] = rest.partitions_read_by_subtask(job.job_id, config["kafka"]["topic"])
     finally:
         job.cancel()
     if job.job_id is not None:  # retained on cancellation: what the job's state held after minutes of deferrals
@@ -179,6 +186,24 @@ def backlog_run(
         f"checkpoints {_checkpoint_history(result.get('checkpoints', {}))}"
     )
     yield result
+
+
+def _topic_the_hash_alone_would_skew(config: dict[str, Any], partitions: int) -> str:
+    """The drill's topic name, suffixed until the runner's key hash of plain partition descriptors would give one
+    read subtask more than its share: so the balance check below fails unless the read spreads its partitions."""
+    flink = config["flink"]
+    parallelism = int(flink["parallelism"])
+    max_parallelism = int(flink.get("max_parallelism") or default_max_parallelism(parallelism))
+    coder = FastPrimitivesCoder()
+    for n in range(1000):
+        topic = f"{config['kafka']['topic']}-{n}"
+        owners = Counter(
+            subtask_of_key(length_prefixed(coder.encode(TopicPartition(topic, p))), max_parallelism, parallelism)
+            for p in range(partitions)
+        )
+        if max(owners.values()) > partitions // parallelism:
+            return topic
+    raise AssertionError("no skewed topic name found")
 
 
 def _index_of_event(traffic: GeneratedTraffic, events: int) -> int:
@@ -215,6 +240,17 @@ def test_backlog_catches_up_with_every_checkpoint_completing(backlog_run: dict[s
     assert backlog_run["state"] == "RUNNING"
     restarts = backlog_run["exceptions"].get("exceptionHistory", {}).get("entries", [])
     assert restarts == [], [e.get("exceptionName") for e in restarts]
+
+
+def test_each_read_subtask_reads_an_even_share_of_the_backlog(backlog_run: dict[str, Any]) -> None:
+    # The topic was picked so that the runner's key hash of plain descriptors would give one subtask three or four
+    # partitions; round robin ({0, 2} / {1, 3}) would give one subtask 53% of this backlog. The read weighs the
+    # partitions by their backlogs: {0, 3} / {1, 2} here, 50.1% at most.
+    owners = backlog_run["partition_owners"]
+    assert sorted(p for parts in owners.values() for p in parts) == [0, 1, 2, 3], owners
+    backlog = backlog_run["backlog_per_partition"]
+    loads = [sum(backlog[p] for p in parts) for parts in owners.values()]
+    assert len(loads) == 2 and max(loads) <= 0.51 * sum(backlog.values()), (owners, backlog)
 
 
 def test_the_job_outlives_its_submitter(backlog_run: dict[str, Any]) -> None:

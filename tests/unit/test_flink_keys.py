@@ -1,8 +1,13 @@
 """Flink's key-group assignment in Python, against values Flink's own classes computed.
 
-The golden rows were printed by Flink 1.19.3's ``KeyGroupRangeAssignment.assignKeyToParallelOperator`` on
-``ByteBuffer.wrap(bytes)`` and ``computeDefaultMaxParallelism`` (a ten-line Java program on the classpath of the
-``flink-dist`` jar that ``beamflow services up flink`` installs); the program is in the module's git history note.
+The golden rows were printed by Flink 1.19.3 itself, with the ``flink-dist`` jar that ``beamflow services up flink``
+installs on the classpath (``java -cp .cache/flink-1.19.3/lib/flink-dist-1.19.3.jar Golden.java``)::
+
+    byte[] b = <the row's bytes>;
+    System.out.println(ByteBuffer.wrap(b).hashCode());
+    for (int[] s : new int[][] {{128, 2}, {128, 3}, {256, 5}, {32768, 7}})
+        System.out.println(KeyGroupRangeAssignment.assignKeyToParallelOperator(ByteBuffer.wrap(b), s[0], s[1]));
+    System.out.println(KeyGroupRangeAssignment.computeDefaultMaxParallelism(p));  // for each p below
 """
 
 from __future__ import annotations
