@@ -23,7 +23,8 @@ gives at most ``max_bundle_records`` per read bundle (``max_bundle_time_ms`` plu
 a backlog), whatever the parallelism: at 2,000 the clicks job ran at 2,500 records/s at parallelism 1 and 3,500 at 2.
 So take a few seconds of the job's per-subtask throughput per call (``conf/clicks.yaml``: 5,000); ``beamflow doctor``
 flags settings that bring a backlog stall back. On a FlinkRunner job at parallelism >= 2 the partitions are spread
-round robin over the read's subtasks (the runner's key hash alone put three of four on one subtask in a measured run).
+round robin over the read's subtasks (the runner's key hash alone put three of four on one subtask in a measured run,
+and each subtask's partitions share its read cycles).
 
 Example::
 
@@ -137,37 +138,25 @@ class _RoutedPartition(TopicPartition):
 
 @dataclass(frozen=True)
 class _ReaderSpread:
-    """Spreads partitions over the read's subtasks by their backlogs, so a job starting on a backlog catches up on
-    every subtask at once; with no backlog, round robin as Flink's ``KafkaSource`` assigns partitions.
+    """Spreads partitions over the read's subtasks round robin, as Flink's ``KafkaSource`` assigns them.
 
     Why: Beam's Flink runner keys the read's input by the descriptor's encoded bytes, and Flink gives each key to
     the subtask that owns its hash's key group, so four partitions on two subtasks split 3/1 as often as 2/2 and the
-    job runs at the pace of the subtask with three (measured: ``docs/streaming.md``). The watcher weighs the
-    partitions it hands out together by their backlog (end offset minus where the reader will start: skewed keys
-    make some partitions lastingly busier, and a backlog shows which) and the descriptor carries the first salt
-    whose key lands on the chosen subtask (about ``parallelism`` tries). The read's input is typed ``Any``, so its
-    coder is ``FastPrimitivesCoder`` and the runner sees it length-prefixed (``beamflow.flink_keys``). A job
-    restored at another parallelism keeps its descriptors: their partitions stay where their keys hash, still one
-    reader each, only not balanced.
+    job runs at the pace of the subtask with three (measured: ``docs/streaming.md``). Partition i of a topic goes to
+    subtask ``(crc32(topic) + i) % parallelism``: the descriptor carries the first salt whose key lands there (about
+    ``parallelism`` tries). Round robin by count, not by backlog: a partition's pace is its subtask's read cycle,
+    which lengthens with every partition the subtask reads. Weighing by backlog was tried (72k/55k/50k/33k-record
+    partitions went {0, 3} / {1, 2}): it caught up no sooner, the largest partition still last, and it could put
+    many small partitions on one subtask. The read's input is typed ``Any``, so its coder is ``FastPrimitivesCoder``
+    and the runner sees it length-prefixed (``beamflow.flink_keys``). A job restored at another parallelism keeps
+    its descriptors: their partitions stay where their keys hash, still one reader each, only not balanced.
     """
 
     parallelism: int
     max_parallelism: int
 
-    def targets(self, topic: str, backlogs: dict[int, int]) -> dict[int, int]:
-        """Subtask per partition: the largest backlog first, each to the subtask with the least backlog so far, then
-        the fewest partitions (so with no backlog, round robin from ``crc32(topic)``, as ``KafkaSource`` does)."""
-        first = zlib.crc32(topic.encode()) % self.parallelism
-        order = [(first + i) % self.parallelism for i in range(self.parallelism)]
-        load = {subtask: (0, 0) for subtask in order}
-        targets: dict[int, int] = {}
-        for partition in sorted(backlogs, key=lambda p: (-backlogs[p], p)):
-            subtask = min(order, key=lambda t: load[t])
-            targets[partition] = subtask
-            load[subtask] = (load[subtask][0] + backlogs[partition], load[subtask][1] + 1)
-        return targets
-
-    def descriptor(self, topic: str, partition: int, target: int) -> TopicPartition:
+    def descriptor(self, topic: str, partition: int) -> TopicPartition:
+        target = (zlib.crc32(topic.encode()) + partition) % self.parallelism
         coder = FastPrimitivesCoder()
         for route in range(64 * self.parallelism):
             routed = _RoutedPartition(topic, partition, route)
@@ -205,21 +194,6 @@ def _round_delayed(config: _ReaderConfig, commit: Callable[[TopicPartition, int]
         return rounds
 
 
-def _start_and_end(consumer: KafkaConsumerClient, tp: TopicPartition, policy: StartPolicy) -> tuple[int, int]:
-    """Where a new reader of ``tp`` starts (the group's committed offset, else the policy) and the end offset now."""
-    low, high = consumer.watermarks(tp)
-    committed = consumer.committed(tp)
-    if committed is not None:
-        return max(committed, low), high
-    if policy.reset == "earliest":
-        return low, high
-    if policy.reset == "latest":
-        return high, high
-    assert policy.timestamp_ms is not None
-    found = consumer.offset_for_time(tp, policy.timestamp_ms)
-    return (high if found is None else found), high
-
-
 class _PartitionTracker(OffsetRestrictionTracker):
     """An offset tracker that never splits a partition in two: only checkpoints (fraction 0) are allowed.
 
@@ -244,7 +218,19 @@ class _PartitionRestrictions(RestrictionProvider):
         # Resolved once per partition; afterwards only the runner's checkpoint moves the start.
         consumer = self._config.consumer()
         try:
-            start, high = _start_and_end(consumer, element, self._config.start)
+            low, high = consumer.watermarks(element)
+            committed = consumer.committed(element)
+            start_policy = self._config.start
+            if committed is not None:
+                start = max(committed, low)
+            elif start_policy.reset == "earliest":
+                start = low
+            elif start_policy.reset == "latest":
+                start = high
+            else:
+                assert start_policy.timestamp_ms is not None
+                found = consumer.offset_for_time(element, start_policy.timestamp_ms)
+                start = high if found is None else found
         finally:
             consumer.close()
         stop_policy = self._config.stop
@@ -535,36 +521,20 @@ class _WatchPartitionsFn(beam.DoFn, RestrictionProvider):
     ) -> Iterator[Any]:
         return self._watch(topic, tracker)
 
-    def _descriptors(self, topic: str, partitions: list[int]) -> dict[int, TopicPartition]:
-        spread = self._spread
-        if spread is None or not partitions:
-            return {p: TopicPartition(topic, p) for p in partitions}
-        assert self._client is not None
-        backlogs: dict[int, int] = {}
-        for p in partitions:
-            try:
-                start, end = _start_and_end(self._client, TopicPartition(topic, p), self._config.start)
-                backlogs[p] = max(0, end - start)
-            except Exception:  # the weights only balance the readers; without them, round robin
-                backlogs[p] = 0
-        targets = spread.targets(topic, backlogs)
-        return {p: spread.descriptor(topic, p, targets[p]) for p in partitions}
-
     def _watch(self, topic: str, tracker: Any) -> Iterator[Any]:
         if self._client is None:
             self._client = self._config.consumer()
         existing = set(self._client.partitions(topic))
         position = tracker.current_restriction().start
-        new: list[int] = []
-        while position + len(new) in existing:
-            new.append(position + len(new))
-        descriptors = self._descriptors(topic, new)
-        for position in new:
+        while position in existing:
             if not tracker.try_claim(position):
                 return
             # Stamped with the wall clock, as the watcher's watermark is: a descriptor is never late, and the
             # watcher (which may wait forever for new partitions) never holds event time back.
-            yield TimestampedValue(descriptors[position], time.time())
+            spread = self._spread
+            descriptor = spread.descriptor(topic, position) if spread is not None else TopicPartition(topic, position)
+            yield TimestampedValue(descriptor, time.time())
+            position += 1
         until = self._config.stop.until_ms
         if until is not None and _now_ms() >= until:
             tracker.try_claim(tracker.current_restriction().stop)

@@ -146,7 +146,6 @@ def backlog_run(
     # --attached keeps the submitter alive (as if an operator's shell held it), so the test can kill it mid-stream.
     job = DrillJob(config, work, "main", ("--attached",))
     result: dict[str, Any] = {"config": config, "traffic": traffic, "job": job, "timings": {}}
-    result["backlog_per_partition"] = Counter(r.partition for r in traffic.records[:split])
     t0 = time.monotonic()
     try:
         job.start()
@@ -242,15 +241,11 @@ def test_backlog_catches_up_with_every_checkpoint_completing(backlog_run: dict[s
     assert restarts == [], [e.get("exceptionName") for e in restarts]
 
 
-def test_each_read_subtask_reads_an_even_share_of_the_backlog(backlog_run: dict[str, Any]) -> None:
-    # The topic was picked so that the runner's key hash of plain descriptors would give one subtask three or four
-    # partitions; round robin ({0, 2} / {1, 3}) would give one subtask 53% of this backlog. The read weighs the
-    # partitions by their backlogs: {0, 3} / {1, 2} here, 50.1% at most.
+def test_each_read_subtask_reads_its_share_of_the_partitions(backlog_run: dict[str, Any]) -> None:
+    # Round robin, as Flink's KafkaSource assigns partitions. The topic was picked so that the runner's key hash of
+    # plain descriptors would give one subtask three or four (shown: {0, 2, 3} / {1} with the spread switched off).
     owners = backlog_run["partition_owners"]
-    assert sorted(p for parts in owners.values() for p in parts) == [0, 1, 2, 3], owners
-    backlog = backlog_run["backlog_per_partition"]
-    loads = [sum(backlog[p] for p in parts) for parts in owners.values()]
-    assert len(loads) == 2 and max(loads) <= 0.51 * sum(backlog.values()), (owners, backlog)
+    assert sorted(sorted(parts) for parts in owners.values()) == [[0, 2], [1, 3]], owners
 
 
 def test_the_job_outlives_its_submitter(backlog_run: dict[str, Any]) -> None:
