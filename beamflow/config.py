@@ -143,6 +143,7 @@ class SessionsConfig:
     allowed_lateness_s: int = 0
     hot_keys: tuple[str, ...] = ()
     fanout: int = 16
+    batch_rows: int = 500  # WriteSessions merges its buffered rows at this many, and always at the bundle's end
 
 
 @dataclass(frozen=True)

@@ -105,6 +105,24 @@ def parallelism_above_partitions(job: Job) -> Finding | None:
 
 
 @rule
+def partitions_uneven_over_readers(job: Job) -> Finding | None:
+    parallelism = job.flink.parallelism if job.flink else None
+    partitions = job.partitions
+    if not (parallelism and partitions and 1 < parallelism < partitions and partitions % parallelism):
+        return None
+    fuller = -(-partitions // parallelism)
+    return Finding(
+        "partitions-uneven-over-readers",
+        "info",
+        f"{partitions} partitions over {parallelism} read subtasks: {partitions % parallelism} of them read {fuller}",
+        "a partition's pace is its read subtask's cycle (each cycle drains every partition the subtask reads), so "
+        "a backlog catches up at the pace of the fuller subtasks (measured: one subtask reading three of four "
+        "partitions held a p2 job to its pace, docs/streaming.md); ReadFromKafka spreads partitions round robin",
+        f"use a partition count that is a multiple of the parallelism (e.g. {fuller * parallelism})",
+    )
+
+
+@rule
 def checkpointing_off(job: Job) -> Finding | None:
     if job.flink is None or job.flink.checkpointing_interval_ms:
         return None

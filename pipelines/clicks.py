@@ -206,7 +206,7 @@ def build_pipeline(p: beam.Pipeline, config: JobConfig | Mapping[str, Any]) -> C
     sessions_written = (
         sessions
         | "ToSessionRows" >> beam.Map(session_row)
-        | "WriteSessions" >> WriteSessions(pg.dsn, pg.sessions_table)
+        | "WriteSessions" >> WriteSessions(pg.dsn, pg.sessions_table, batch_rows=sessions_conf.batch_rows)
     )
     quarantine = dedup.quarantine | "ToQuarantineRows" >> beam.Map(quarantine_row)
     quarantine_written = quarantine | "WriteQuarantine" >> WriteToPostgres(
