@@ -126,6 +126,8 @@ class FlinkRest:
 
         From the read's per-partition Beam counters (``records_read.<topic>-<partition>``, which Flink registers per
         subtask once the subtask reads that partition): who reads what is the runner's key hash, not a setting.
+        Flink serves metrics from a store its JobManager refreshes asynchronously after a request (at most every
+        ``metrics.fetcher.update-interval``, 10 s), so a first answer may miss counters: ask again until complete.
         """
         marker = f"records_read_{topic}-"
         owners: dict[int, set[int]] = {}
