@@ -136,6 +136,10 @@ class _RoutedPartition(TopicPartition):
     route: int = 0
 
 
+# The coder the runner encodes the read's input with (it is typed ``Any``): Flink hashes these bytes into a key group.
+_DESCRIPTOR_CODER = FastPrimitivesCoder()
+
+
 @dataclass(frozen=True)
 class _ReaderSpread:
     """Spreads partitions over the read's subtasks round robin, as Flink's ``KafkaSource`` assigns them.
@@ -157,13 +161,16 @@ class _ReaderSpread:
 
     def descriptor(self, topic: str, partition: int) -> TopicPartition:
         target = (zlib.crc32(topic.encode()) + partition) % self.parallelism
-        coder = FastPrimitivesCoder()
         for route in range(64 * self.parallelism):
             routed = _RoutedPartition(topic, partition, route)
-            key = length_prefixed(coder.encode(routed))
-            if subtask_of_key(key, self.max_parallelism, self.parallelism) == target:
+            if self.subtask_of(routed) == target:
                 return routed
         return TopicPartition(topic, partition)  # no salt found (not seen): the hash decides, as without spreading
+
+    def subtask_of(self, descriptor: TopicPartition) -> int:
+        """The read subtask the runner gives this descriptor (plain or salted) at this job's parallelism."""
+        key = length_prefixed(_DESCRIPTOR_CODER.encode(descriptor))
+        return subtask_of_key(key, self.max_parallelism, self.parallelism)
 
     @staticmethod
     def for_options(options: Any) -> _ReaderSpread | None:

@@ -17,10 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from apache_beam.coders import FastPrimitivesCoder
 
 from beamflow.config import load_config
-from beamflow.flink_keys import default_max_parallelism, length_prefixed, subtask_of_key
 from beamflow.flink_rest import FlinkRest
 from beamflow.generate import GeneratedTraffic, TrafficSpec, avro_click_encoder, generate_traffic
 from beamflow.kafka.admin import create_topic, produce
@@ -203,17 +201,20 @@ def backlog_run(
 def _topic_the_hash_alone_would_skew(config: dict[str, Any], partitions: int) -> str:
     """The drill's topic name, suffixed until the runner's key hash of plain partition descriptors would give one
     read subtask more than its share: so the balance check below fails unless the read spreads its partitions."""
+    from apache_beam.options.pipeline_options import PipelineOptions
+
+    from transforms.read_from_kafka import _ReaderSpread
+
     flink = config["flink"]
-    parallelism = int(flink["parallelism"])
-    max_parallelism = int(flink.get("max_parallelism") or default_max_parallelism(parallelism))
-    coder = FastPrimitivesCoder()
+    flags = ["--runner=FlinkRunner", f"--parallelism={flink['parallelism']}"]
+    if flink.get("max_parallelism"):
+        flags.append(f"--max_parallelism={flink['max_parallelism']}")
+    spread = _ReaderSpread.for_options(PipelineOptions(flags))
+    assert spread is not None
     for n in range(1000):
         topic = f"{config['kafka']['topic']}-{n}"
-        owners = Counter(
-            subtask_of_key(length_prefixed(coder.encode(TopicPartition(topic, p))), max_parallelism, parallelism)
-            for p in range(partitions)
-        )
-        if max(owners.values()) > partitions // parallelism:
+        owners = Counter(spread.subtask_of(TopicPartition(topic, p)) for p in range(partitions))
+        if max(owners.values()) > partitions // spread.parallelism:
             return topic
     raise AssertionError("no skewed topic name found")
 

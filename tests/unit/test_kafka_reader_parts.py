@@ -11,7 +11,6 @@ from apache_beam.coders import FastPrimitivesCoder
 from apache_beam.options.pipeline_options import PipelineOptions
 from apache_beam.pipeline import PipelineVisitor
 
-from beamflow.flink_keys import length_prefixed, subtask_of_key
 from beamflow.kafka.guard import DuplicateReaderError, exclusive_reader
 from beamflow.kafka.record import TopicPartition
 from beamflow.kafka.watermark import MIN_WATERMARK_MS, PartitionWatermark
@@ -100,11 +99,7 @@ def test_streaming_commits_wait_one_finalization_round() -> None:
 
 
 def _subtasks(spread: Any, descriptors: list[TopicPartition]) -> list[int]:
-    coder = FastPrimitivesCoder()
-    return [
-        subtask_of_key(length_prefixed(coder.encode(d)), spread.max_parallelism, spread.parallelism)
-        for d in descriptors
-    ]
+    return [spread.subtask_of(d) for d in descriptors]
 
 
 def test_a_flink_job_spreads_partitions_round_robin_over_the_read_subtasks() -> None:
