@@ -247,6 +247,30 @@ def offsets_ahead_of_sinks(job: Job) -> Finding | None:
     )
 
 
+_TIMED_FLUSH = re.compile(r"^data_buffer_time_limit_ms=(\d+)$")
+
+
+@rule
+def timed_flush_cuts_elements(job: Job) -> Finding | None:
+    timed = (
+        [e for e in (job.flink.experiments or ()) if (m := _TIMED_FLUSH.match(e)) and int(m[1]) > 0]
+        if job.flink
+        else []
+    )
+    if not timed:
+        return None
+    return Finding(
+        "timed-flush-cuts-elements",
+        "error",
+        f"flink.experiments has {timed[0]}",
+        "Beam 2.62's Python workers then flush their output from a timer thread that takes a lock the element "
+        "encoder never takes, so a flush can send half an element: measured here, the runner failed the first "
+        "checkpoint with an EOFException decoding the read's output and the job restarted",
+        "drop it; data_buffer_size_limit=<bytes> shrinks only the runner's own sends to the workers, and "
+        "flink.max_bundle_size bounds what a Python stage holds",
+    )
+
+
 # Settings that bring back the streaming job's backlog stall (docs/streaming.md says what bounds a barrier).
 
 

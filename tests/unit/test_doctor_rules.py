@@ -34,6 +34,11 @@ CASES: dict[str, tuple[list[str], list[str], str]] = {
     "heap-state-for-sessions": (["flink.state_backend=hashmap"], [], "info"),
     "aligned-checkpoints-under-backpressure": (["flink.unaligned_checkpoints=null"], [], "info"),
     "offsets-ahead-of-sinks": (["flink.finish_bundle_before_checkpointing=false"], [], "error"),
+    "timed-flush-cuts-elements": (
+        ["flink.experiments=[data_buffer_time_limit_ms=20]"],
+        ["flink.experiments=[data_buffer_size_limit=65536, data_buffer_time_limit_ms=0]"],
+        "error",
+    ),
     "bundle-swallows-backlog": (["flink.max_bundle_size=100000"], ["flink.max_bundle_size=100000", BATCH], "error"),
     "read-call-swallows-backlog": (["kafka.max_bundle_records=20000"], [], "warning"),
     "read-polls-too-rarely": (["flink.max_bundle_time_ms=10000"], [], "warning"),
