@@ -22,8 +22,8 @@ processed its open bundle (``max_bundle_size`` elements). A streaming read there
 gives at most ``max_bundle_records`` per read bundle (``max_bundle_time_ms`` plus the drain, about two seconds on
 a backlog), whatever the parallelism: at 2,000 the clicks job ran at 2,500 records/s at parallelism 1 and 3,500 at 2.
 So take a few seconds of the job's per-subtask throughput per call (``conf/clicks.yaml``: 5,000); ``beamflow doctor``
-flags settings that bring a backlog stall back. On a FlinkRunner job at parallelism >= 2 the partitions are spread
-round robin over the read's subtasks (the runner's key hash alone put three of four on one subtask in a measured run,
+flags settings that bring a backlog stall back. On Flink at parallelism >= 2 (the FlinkRunner, or the PortableRunner
+given ``--parallelism``) the partitions are spread round robin over the read's subtasks (the runner's key hash alone put three of four on one subtask in a measured run,
 and each subtask's partitions share its read cycles).
 
 Example::
@@ -174,11 +174,13 @@ class _ReaderSpread:
 
     @staticmethod
     def for_options(options: Any) -> _ReaderSpread | None:
-        """The spread for a FlinkRunner job at a known parallelism; None elsewhere (one reader, or no keyed input)."""
+        """The spread for a job on Flink at a known parallelism of 2 or more; None elsewhere (one reader, or no keyed
+        input). On Flink means the FlinkRunner, or the PortableRunner given Flink's ``--parallelism`` (a job submitted
+        to a Flink job server directly); the salt is harmless on any other runner such a guess could be wrong about."""
         runner = options.view_as(StandardOptions).runner
         name = runner if isinstance(runner, str) else type(runner).__name__ if runner is not None else ""
         flink = options.view_as(FlinkRunnerOptions)
-        if "Flink" not in name or flink.parallelism is None or flink.parallelism < 2:
+        if not ("Flink" in name or "Portable" in name) or flink.parallelism is None or flink.parallelism < 2:
             return None
         max_parallelism = flink.max_parallelism
         if max_parallelism is None or max_parallelism <= 0:

@@ -121,7 +121,7 @@ def test_a_flink_job_spreads_partitions_round_robin_over_the_read_subtasks() -> 
     assert sorted(Counter(_subtasks(three, [three.descriptor("t", p) for p in range(9)])).values()) == [3, 3, 3]
 
 
-def test_no_spread_off_flink_or_at_parallelism_one() -> None:
+def test_spread_only_on_flink_at_parallelism_two_or_more() -> None:
     from transforms.read_from_kafka import _ReaderSpread
 
     assert _ReaderSpread.for_options(PipelineOptions(["--runner=DirectRunner", "--parallelism=2"])) is None
@@ -130,6 +130,10 @@ def test_no_spread_off_flink_or_at_parallelism_one() -> None:
         PipelineOptions(["--runner=FlinkRunner", "--parallelism=4", "--max_parallelism=64"])
     )
     assert explicit == _ReaderSpread(parallelism=4, max_parallelism=64)
+    # A job submitted to a Flink job server with the PortableRunner: Flink's --parallelism says where it runs.
+    portable = ["--runner=PortableRunner", "--job_endpoint=127.0.0.1:8099"]
+    assert _ReaderSpread.for_options(PipelineOptions([*portable, "--parallelism=2"])) == _ReaderSpread(2, 128)
+    assert _ReaderSpread.for_options(PipelineOptions(portable)) is None
 
 
 def test_the_reads_input_is_encoded_by_the_coder_the_spread_assumes() -> None:
