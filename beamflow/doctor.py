@@ -123,6 +123,26 @@ def partitions_uneven_over_readers(job: Job) -> Finding | None:
 
 
 @rule
+def parallelism_one_cannot_rescale(job: Job) -> Finding | None:
+    flink = job.streaming_flink
+    if not (flink and flink.parallelism == 1):
+        return None
+    return Finding(
+        "parallelism-one-cannot-rescale",
+        "warning",
+        "a streaming job at parallelism 1 cannot be restored at another parallelism from its savepoints",
+        "Beam 2.62's Flink runner gives the read's Impulse source no operator uid, and Flink chains it with the "
+        "partition watcher only at parallelism 1, so its generated id changes with the first rescale: Flink refuses "
+        "the savepoint, and with allow_non_restored_state the impulse fires again and every partition is handed "
+        "out a second time (measured, 1 -> 2: partitions read by both subtasks, the duplicate-reader guard failing "
+        "the job). Between parallelisms of 2 or more the id stays (measured, 2 -> 3: restored, each partition one "
+        "reader, every record once); docs/deploying.md",
+        "start the job at parallelism 2 or more, or rescale a parallelism-1 job by a fresh start from the group's "
+        "committed offsets (cancel, then submit without savepoint_path)",
+    )
+
+
+@rule
 def checkpointing_off(job: Job) -> Finding | None:
     if job.flink is None or job.flink.checkpointing_interval_ms:
         return None

@@ -131,6 +131,15 @@ def _restore(args: argparse.Namespace) -> int:
     flags = [f"--savepoint_path={path}"]
     if args.allow_non_restored_state:
         flags.append("--allow_non_restored_state")
+        # Beam 2.62 gives the read's Impulse source no uid: if Flink skipped its state, the impulse fires again
+        # and every Kafka partition is handed out a second time (docs/deploying.md;
+        # doctor: parallelism-one-cannot-rescale).
+        print(
+            "warning: skip only the state of operators you removed. If the state Flink skips is the read's Impulse "
+            "(the savepoint was taken at parallelism 1 and the job now runs at 2 or more; the same chaining, not "
+            "measured, the other way), every "
+            "partition is read twice: start the job fresh from the group's committed offsets instead."
+        )
     print("Resubmit the pipeline with the same transform names and these extra flags:")
     print("  " + " ".join(shlex.quote(f) for f in flags))
     return 0
