@@ -123,26 +123,6 @@ def partitions_uneven_over_readers(job: Job) -> Finding | None:
 
 
 @rule
-def parallelism_one_cannot_rescale(job: Job) -> Finding | None:
-    flink = job.streaming_flink
-    if not (flink and flink.parallelism == 1):
-        return None
-    return Finding(
-        "parallelism-one-cannot-rescale",
-        "warning",
-        "a streaming job at parallelism 1 cannot be restored at another parallelism from its savepoints",
-        "Beam 2.62's Flink runner gives the read's Impulse source no operator uid, and Flink chains it with the "
-        "partition watcher only at parallelism 1, so its generated id changes with the first rescale: Flink refuses "
-        "the savepoint, and with allow_non_restored_state the impulse fires again and every partition is handed "
-        "out a second time (measured, 1 -> 2: partitions read by both subtasks, the duplicate-reader guard failing "
-        "the job). Between parallelisms of 2 or more the id stays (measured, 2 -> 3: restored, each partition one "
-        "reader, every record once); docs/deploying.md",
-        "start the job at parallelism 2 or more, or rescale a parallelism-1 job by a fresh start from the group's "
-        "committed offsets (cancel, then submit without savepoint_path)",
-    )
-
-
-@rule
 def checkpointing_off(job: Job) -> Finding | None:
     if job.flink is None or job.flink.checkpointing_interval_ms:
         return None
@@ -665,7 +645,9 @@ def check_flink_classpath(classpath: list[str], partitions: int | None) -> list[
             "of its own and never clears it (apache/beam#27648, fixed upstream after 2.62 by apache/beam#39191); "
             "each read call of each partition leaves one behind; the same jar keeps a bundle that a checkpoint "
             "barrier finished from being overtaken by the watermark (without it a streaming read can start and "
-            "never read, and on-time records can arrive late at a window)",
+            "never read, and on-time records can arrive late at a window), and gives the read's Impulse one "
+            "operator id at any parallelism (without it a savepoint does not restore across parallelism 1, and "
+            "skipping its state hands every partition out twice)",
             f"put {SDF_RESIDUALS_JAR} (FlinkService.sdf_residuals_jar(), built by `beamflow services up flink`) in the "
             "cluster's lib/ and on the job server's classpath, both ahead of Beam's jars (docs/deploying.md)",
         )

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from beamflow.flink_rest import FlinkRest, FlinkRestError
 from beamflow.services import ServiceError, ServiceSet
+from beamflow.services.beam_patches import SDF_RESIDUALS_JAR
 
 # Why ``--drain`` is refused (Flink 1.19.3 + Beam 2.62, the fault drill in tests/flink/test_drills.py tries it every
 # run and fails if it ever works): a draining stop must end every source and let every operator finish before its
@@ -131,14 +132,12 @@ def _restore(args: argparse.Namespace) -> int:
     flags = [f"--savepoint_path={path}"]
     if args.allow_non_restored_state:
         flags.append("--allow_non_restored_state")
-        # Beam 2.62 gives the read's Impulse source no uid: if Flink skipped its state, the impulse fires again
-        # and every Kafka partition is handed out a second time (docs/deploying.md;
-        # doctor: parallelism-one-cannot-rescale).
+        # Beam 2.62 gives the read's Impulse no uid: on a runner without beamflow's patch jar its state can be the
+        # state skipped, and then the impulse fires again and every partition is handed out a second time.
         print(
-            "warning: skip only the state of operators you removed. If the state Flink skips is the read's Impulse "
-            "(the savepoint was taken at parallelism 1 and the job now runs at 2 or more; the same chaining, not "
-            "measured, the other way), every "
-            "partition is read twice: start the job fresh from the group's committed offsets instead."
+            "warning: skip only the state of operators you removed. On a cluster without beamflow's runner patch "
+            f"({SDF_RESIDUALS_JAR}), a savepoint taken at parallelism 1 and restored at 2 or more (or the other way) "
+            "skips the read's Impulse: every partition is then read twice (docs/deploying.md)."
         )
     print("Resubmit the pipeline with the same transform names and these extra flags:")
     print("  " + " ".join(shlex.quote(f) for f in flags))

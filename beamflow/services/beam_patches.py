@@ -27,6 +27,15 @@ finished the bundle, and the partitions it had found stayed in the buffer while 
 every time). Patched: while the buffer is open, the callback schedules the watermark for after the snapshot, when
 ``processWatermark1`` flushes the buffer before it emits the watermark.
 
+A third (``IMPULSE_ID_PATCHES``) keeps savepoints restorable at any parallelism. Beam 2.62 gives every streaming
+operator a uid after its transform except the Impulse that starts a read, so Flink generates the Impulse's id from
+the graph, and the graph differs at parallelism 1, where the Impulse (always one subtask) is chained with the next
+operator. Measured on the clicks job: a savepoint taken at 1 was refused at 2 ("Cannot map checkpoint/savepoint
+state for operator ..."), and with ``allow_non_restored_state`` the impulse fired again and the watcher handed every
+partition out a second time. Patched: the Impulse is never chained, so at 1 it gets the id it already had at 2 or
+more (the same vertex id in the job graph before and after the patch at 2), and savepoints restore from 1 to 2 and
+from 2 to 1 (``tests/flink/test_drills.py``'s restore drill restores a parallelism-2 savepoint at 1).
+
 How: the source files are taken from Beam's ``-sources`` jars on Maven Central, each edit must match exactly
 once (else one error line: a new Beam must not build unpatched), the files are compiled against the job server's
 classpath and jarred as ``0-beamflow-sdf-residuals.jar``, which ``FlinkService`` puts first in the cluster's
@@ -51,6 +60,7 @@ from beamflow.services.fetch import FLINK_MAVEN_REPO, maven_artifact
 from beamflow.services.gobuild import SourcePatch, patched_text
 
 __all__ = [
+    "IMPULSE_ID_PATCHES",
     "RUNNER_PATCHES",
     "SDF_RESIDUALS_JAR",
     "SDF_RESIDUAL_PATCHES",
@@ -68,6 +78,7 @@ _HANDLER = "org/apache/beam/runners/fnexecution/control/BundleCheckpointHandlers
 _OPERATOR = "org/apache/beam/runners/flink/translation/wrappers/streaming/ExecutableStageDoFnOperator.java"
 _BATCH = "org/apache/beam/runners/flink/translation/functions/FlinkExecutableStageFunction.java"
 _DOFN_OPERATOR = "org/apache/beam/runners/flink/translation/wrappers/streaming/DoFnOperator.java"
+_TRANSLATOR = "org/apache/beam/runners/flink/FlinkStreamingPortablePipelineTranslator.java"
 
 # Which sources jar holds which file (artifact ids of Maven Central).
 _SOURCE_ARTIFACTS = {
@@ -75,6 +86,7 @@ _SOURCE_ARTIFACTS = {
     _OPERATOR: "beam-runners-flink-1.19",
     _BATCH: "beam-runners-flink-1.19",
     _DOFN_OPERATOR: "beam-runners-flink-1.19",
+    _TRANSLATOR: "beam-runners-flink-1.19",
 }
 
 SDF_RESIDUAL_PATCHES: tuple[SourcePatch, ...] = (
@@ -179,7 +191,29 @@ WATERMARK_ORDER_PATCHES: tuple[SourcePatch, ...] = (
 )
 
 # Every patch of the jar, in order (several touch one file).
-RUNNER_PATCHES: tuple[SourcePatch, ...] = SDF_RESIDUAL_PATCHES + WATERMARK_ORDER_PATCHES
+# Beam 2.62 gives the streaming Impulse no operator uid, so Flink generates its id from the graph, and the graph
+# differs at parallelism 1, where the Impulse (always one subtask) is chained with the partition watcher: a savepoint
+# taken at 1 was refused at 2, and skipping its state fired the impulse again (every partition read twice; measured,
+# docs/deploying.md). Never chaining the Impulse gives it at 1 the id it already has at 2 or more, so savepoints of
+# jobs at 2 or more keep restoring, and any parallelism restores any other.
+IMPULSE_ID_PATCHES: tuple[SourcePatch, ...] = (
+    # AutoService writes a META-INF/services entry at compile time; Beam's own jar already carries it for this class,
+    # and the annotation processor is not on the job server's classpath.
+    SourcePatch(_TRANSLATOR, "import com.google.auto.service.AutoService;\n", ""),
+    SourcePatch(_TRANSLATOR, "  @AutoService(NativeTransforms.IsNativeTransform.class)\n", ""),
+    SourcePatch(
+        _TRANSLATOR,
+        """            .addSource(new ImpulseSourceFunction(shutdownAfterIdleSourcesMs), "Impulse")
+            .returns(typeInfo);
+""",
+        """            .addSource(new ImpulseSourceFunction(shutdownAfterIdleSourcesMs), "Impulse")
+            .returns(typeInfo)
+            .disableChaining(); // beamflow: the same operator id at any parallelism (see beam_patches.py)
+""",
+    ),
+)
+
+RUNNER_PATCHES: tuple[SourcePatch, ...] = SDF_RESIDUAL_PATCHES + WATERMARK_ORDER_PATCHES + IMPULSE_ID_PATCHES
 
 
 def sdf_residual_sources(beam_version: str, cache_dir: Path) -> Path:
@@ -187,7 +221,9 @@ def sdf_residual_sources(beam_version: str, cache_dir: Path) -> Path:
     ``<cache>/beam-patches/sdf-residuals-<version>`` (a fixed path: docs/deploying/Dockerfile compiles it too),
     rewritten when the patches change (its ``.patches`` file holds their hash)."""
     key = hashlib.sha256(
-        json.dumps([beam_version, [[p.file, p.old, p.new] for p in RUNNER_PATCHES]]).encode()
+        json.dumps(
+            [beam_version, sorted(_SOURCE_ARTIFACTS.items()), [[p.file, p.old, p.new] for p in RUNNER_PATCHES]]
+        ).encode()
     ).hexdigest()[:16]
     target = cache_dir / "beam-patches" / f"sdf-residuals-{beam_version}"
     stamp = target / ".patches"

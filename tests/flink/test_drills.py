@@ -7,7 +7,7 @@ Two jobs carry all drills (submissions cost 30-40 s each on 2 cores, so assertio
   sinks and left running to the end. ``beamflow status`` is read from the running job in between.
 * ``restore_drill``: the JobManager SIGKILLed mid-stream and restarted (no HA: the job is gone), the job resubmitted
   from its newest retained checkpoint (seed 003's failover path); later stopped with a savepoint while the producer has
-  switched to schema v2, and restored from it with a changed configuration.
+  switched to schema v2, and restored from it with a changed configuration, at parallelism 1 instead of 2.
 
 Each drill produces generated traffic (duplicate sends and undecodable records included) while the job runs, samples
 the group's committed offsets against what the sinks hold, and at the end audits that every record is in exactly the
@@ -319,8 +319,12 @@ def restore_drill(drill_services: DrillServices, tmp_path_factory: pytest.TempPa
             notes["stop_mode"] = "savepoint-and-cancel"
         notes["savepoint"] = savepoint
         second.reap(timeout=60)
-        changed = {**config, "flink": {**config["flink"], "max_bundle_time_ms": 2000}}
+        # Changed: the bundle time, and the parallelism from 2 to 1. Across 1 the read's Impulse used to get another
+        # operator id (Beam gives it no uid, and Flink chains it only at 1), so Flink refused this savepoint; the
+        # runner patch (beam_patches.IMPULSE_ID_PATCHES) keeps its id.
+        changed = {**config, "flink": {**config["flink"], "max_bundle_time_ms": 2000, "parallelism": 1}}
         third = _restored(changed, work, "third", savepoint, jobs)
+        notes["third_parallelism"] = max(v["parallelism"] for v in third.rest.job(str(third.job_id))["vertices"])
         timings["savepoint_restore_s"] = round(time.monotonic() - started, 1)
         feeder.resume()
 
@@ -549,6 +553,7 @@ def test_jobmanager_failover_and_savepoint_with_schema_v2_leave_every_record_exa
     assert restore_drill.problems == []
     assert restore_drill.traffic.counts["events_v2"] > 0
     assert restore_drill.notes["restored_checkpoint"].rsplit("/", 1)[-1].startswith("chk-")
+    assert restore_drill.notes["third_parallelism"] == 1  # the savepoint of a p2 job, restored at p1
 
 
 def test_taskmanager_kill_broker_restart_and_zombie_leave_every_record_exactly_once(live_drill: DrillResult) -> None:

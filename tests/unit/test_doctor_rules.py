@@ -21,7 +21,6 @@ CASES: dict[str, tuple[list[str], list[str], str]] = {
     "no-flink-section": (NO_FLINK, [], "info"),
     "parallelism-above-partitions": (["flink.parallelism=8"], ["flink.parallelism=4"], "warning"),
     "partitions-uneven-over-readers": (["flink.parallelism=3"], ["flink.parallelism=2"], "info"),
-    "parallelism-one-cannot-rescale": (["flink.parallelism=1"], ["flink.parallelism=1", BATCH], "warning"),
     "checkpointing-off": (["flink.checkpointing_interval_ms=null"], [], "error"),
     "checkpoint-timeout-far-above-interval": (["flink.checkpoint_timeout_ms=1800000"], [], "warning"),
     "no-min-pause": (["flink.min_pause_between_checkpoints_ms=null"], [], "warning"),
