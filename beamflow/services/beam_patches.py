@@ -27,8 +27,8 @@ finished the bundle, and the partitions it had found stayed in the buffer while 
 every time). Patched: while the buffer is open, the callback schedules the watermark for after the snapshot, when
 ``processWatermark1`` flushes the buffer before it emits the watermark.
 
-A third (``IMPULSE_ID_PATCHES``) keeps savepoints restorable at any parallelism. Beam 2.62 gives every streaming
-operator a uid after its transform except the Impulse that starts a read, so Flink generates the Impulse's id from
+A third (``IMPULSE_ID_PATCHES``) keeps savepoints restorable at any parallelism. Beam 2.62 names its streaming
+operators' uids after their transforms but gives the Impulse that starts a read none, so Flink generates its id from
 the graph, and the graph differs at parallelism 1, where the Impulse (always one subtask) is chained with the next
 operator. Measured on the clicks job: a savepoint taken at 1 was refused at 2 ("Cannot map checkpoint/savepoint
 state for operator ..."), and with ``allow_non_restored_state`` the impulse fired again and the watcher handed every
@@ -190,12 +190,7 @@ WATERMARK_ORDER_PATCHES: tuple[SourcePatch, ...] = (
     ),
 )
 
-# Every patch of the jar, in order (several touch one file).
-# Beam 2.62 gives the streaming Impulse no operator uid, so Flink generates its id from the graph, and the graph
-# differs at parallelism 1, where the Impulse (always one subtask) is chained with the partition watcher: a savepoint
-# taken at 1 was refused at 2, and skipping its state fired the impulse again (every partition read twice; measured,
-# docs/deploying.md). Never chaining the Impulse gives it at 1 the id it already has at 2 or more, so savepoints of
-# jobs at 2 or more keep restoring, and any parallelism restores any other.
+# The Impulse never chained, so its generated operator id is the same at any parallelism (the module docstring).
 IMPULSE_ID_PATCHES: tuple[SourcePatch, ...] = (
     # AutoService writes a META-INF/services entry at compile time; Beam's own jar already carries it for this class,
     # and the annotation processor is not on the job server's classpath.
@@ -213,6 +208,7 @@ IMPULSE_ID_PATCHES: tuple[SourcePatch, ...] = (
     ),
 )
 
+# Every patch of the jar, in order (several touch one file).
 RUNNER_PATCHES: tuple[SourcePatch, ...] = SDF_RESIDUAL_PATCHES + WATERMARK_ORDER_PATCHES + IMPULSE_ID_PATCHES
 
 
