@@ -23,8 +23,8 @@ gives at most ``max_bundle_records`` per read bundle (``max_bundle_time_ms`` plu
 a backlog), whatever the parallelism: at 2,000 the clicks job ran at 2,500 records/s at parallelism 1 and 3,500 at 2.
 So take a few seconds of the job's per-subtask throughput per call (``conf/clicks.yaml``: 5,000); ``beamflow doctor``
 flags settings that bring a backlog stall back. On Flink at parallelism >= 2 (the FlinkRunner, or the PortableRunner
-given ``--parallelism``) the partitions are spread round robin over the read's subtasks (the runner's key hash alone put three of four on one subtask in a measured run,
-and each subtask's partitions share its read cycles).
+given ``--parallelism``) the partitions are spread round robin over the read's subtasks (the runner's key hash alone
+put three of four on one subtask in a measured run, and each subtask's partitions share its read cycles).
 
 Example::
 
