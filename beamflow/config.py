@@ -88,7 +88,17 @@ class KafkaConfig:
     max_delay_ms: int = 0
     idle_timeout_ms: int | None = None  # None: a quiet partition holds the watermark back for ever
     max_bundle_records: int = 2000
+    # A bounded run on the local runner reads at most this many records of each partition, commits, and the next run
+    # goes on from there, until the end offsets seen when the command started: its memory stays that of one such
+    # run whatever the backlog (FnApiRunner keeps each stage's output until the next stage ran). None: one run.
+    run_records_per_partition: int | None = None
     consumer_config: dict[str, Any] = field(default_factory=dict)  # passed to the consumer (ReadFromKafka)
+
+    def __post_init__(self) -> None:
+        if self.run_records_per_partition is not None and self.run_records_per_partition < 1:
+            raise ConfigError(
+                f"kafka.run_records_per_partition must be at least 1 (or null), not {self.run_records_per_partition}"
+            )
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import apache_beam as beam
+from apache_beam.metrics.metric import MetricResults, MetricsFilter
 from apache_beam.runners.runner import PipelineResult
 
 from beamflow.config import (
@@ -28,6 +29,7 @@ from beamflow.config import (
     resolve_auto,
     start_services,
 )
+from beamflow.kafka.admin import committed_offsets, end_offsets
 from beamflow.postgres.table import TableSpec
 from transforms.deduplicate import FirstCopyTable, QuarantinedEvent
 from transforms.read_from_kafka import ReadFromKafka, StartPolicy, StopPolicy
@@ -35,6 +37,7 @@ from transforms.write_dead_letters import WriteDeadLetters
 
 __all__ = [
     "JobRunner",
+    "RunsResult",
     "dead_letter_sink",
     "epoch_ms_event",
     "first_copy_table",
@@ -100,7 +103,10 @@ def read_records(p: beam.Pipeline, config: JobConfig, label: str) -> beam.PColle
         group_id=kafka.group_id,
         backend=kafka.backend,
         start=StartPolicy(kafka.start),
-        stop=StopPolicy(at_end_offsets=kafka.bounded),
+        stop=StopPolicy(
+            at_end_offsets=kafka.bounded,
+            max_records_per_partition=kafka.run_records_per_partition if kafka.bounded else None,
+        ),
         max_delay_ms=kafka.max_delay_ms,
         idle_timeout_ms=kafka.idle_timeout_ms,
         max_bundle_records=kafka.max_bundle_records,
@@ -137,6 +143,33 @@ def dead_letter_sink(config: JobConfig) -> WriteDeadLetters:
             producer_config=connection_settings(kafka.consumer_config),
         )
     return WriteDeadLetters("postgres", dsn=pg.dsn, table=pg.dead_letters_table)
+
+
+class RunsResult(PipelineResult):
+    """The runs of one job run in pieces (``kafka.run_records_per_partition``), as one result: the last run's state,
+    and every run's metrics (a counter's results of all runs, so summing them counts the whole job)."""
+
+    def __init__(self, results: Sequence[PipelineResult]) -> None:
+        super().__init__(results[-1].state)
+        self.results = list(results)
+
+    def wait_until_finish(self, duration: int | None = None) -> Any:
+        return self.results[-1].wait_until_finish(duration)
+
+    def metrics(self) -> MetricResults:
+        return _AllRunsMetrics([result.metrics() for result in self.results])
+
+
+class _AllRunsMetrics(MetricResults):
+    def __init__(self, runs: Sequence[MetricResults]) -> None:
+        self._runs = runs
+
+    def query(self, filter: MetricsFilter | None = None) -> dict[str, list[Any]]:
+        merged: dict[str, list[Any]] = {}
+        for run in self._runs:
+            for kind, found in run.query(filter).items():
+                merged.setdefault(kind, []).extend(found)
+        return merged
 
 
 @dataclass(frozen=True)
@@ -183,6 +216,10 @@ class JobRunner:
         if runner != "FlinkRunner":
             return dataclasses.replace(job, flink=None)
         kafka = required(job.kafka, "kafka")
+        if kafka.run_records_per_partition is not None:
+            # Runs in pieces are the local runner's way to bound its memory; a Flink job reads to the end in one.
+            kafka = dataclasses.replace(kafka, run_records_per_partition=None)
+            job = dataclasses.replace(job, kafka=kafka)
         if (job.flink is None or job.flink.streaming) and kafka.bounded:
             self.log.info(
                 "streaming Flink job: reading %s as a stream (kafka.bounded applies to batch runs)", kafka.topic
@@ -231,6 +268,8 @@ class JobRunner:
                 check_reachable(flink)
             except SubmissionError as exc:
                 raise SystemExit(f"beamflow: {exc}") from None
+        if runner != "FlinkRunner" and job.kafka and job.kafka.bounded and job.kafka.run_records_per_partition:
+            return self._run_in_pieces(job, runner, beam_args)
         p = beam.Pipeline(options=self.pipeline_options(runner, beam_args, job))
         self.build(p, job)
         result = p.run()
@@ -249,6 +288,47 @@ class JobRunner:
                 return result
         result.wait_until_finish()
         return result
+
+    def _run_in_pieces(self, job: JobConfig, runner: str, beam_args: Sequence[str]) -> PipelineResult:
+        """Bounded local runs of at most ``kafka.run_records_per_partition`` records per partition each, one after
+        the other, until the group's committed offsets reach the end offsets seen now (records produced meanwhile
+        are left to the next command, as one bounded run leaves them). Each run commits after its sinks, and the
+        sinks, the dedup's first copies and the sessions are exact across runs, so the pieces write what one run
+        over everything would (``tests/e2e/test_clicks_pipeline.py`` compares them)."""
+        kafka = required(job.kafka, "kafka")
+        per_run = kafka.run_records_per_partition
+        settings = kafka.consumer_config
+        goal = end_offsets(kafka.bootstrap, kafka.topic, settings)
+        results: list[PipelineResult] = []
+        position = committed_offsets(kafka.bootstrap, kafka.topic, kafka.group_id, settings)
+        while True:
+            p = beam.Pipeline(options=self.pipeline_options(runner, beam_args, job))
+            self.build(p, job)
+            result = p.run()
+            result.wait_until_finish()
+            results.append(result)
+            before, position = position, committed_offsets(kafka.bootstrap, kafka.topic, kafka.group_id, settings)
+            left = sum(max(end - (position.get(part) or 0), 0) for part, end in goal.items())
+            if not left:
+                break
+            if position == before:
+                # Nothing committed: what is left below the end offsets holds no records to read (transaction
+                # markers, or records deleted by retention), so another run would read nothing either.
+                self.log.warning(
+                    "%s: run %d read nothing; %d offsets below the end offsets hold no records",
+                    kafka.topic,
+                    len(results),
+                    left,
+                )
+                break
+            self.log.info(
+                "%s: run %d of at most %d records per partition done; %d offsets left",
+                kafka.topic,
+                len(results),
+                per_run,
+                left,
+            )
+        return RunsResult(results)
 
     def run(self, argv: Sequence[str]) -> PipelineResult:
         args, beam_args = self.parse_args(list(argv))

@@ -19,6 +19,7 @@ __all__ = [
     "CONNECTION_PREFIXES",
     "TopicNotFound",
     "add_partitions",
+    "committed_offsets",
     "connection_config",
     "connection_settings",
     "create_topic",
@@ -102,6 +103,21 @@ def end_offsets(bootstrap: str, topic: str, config: Mapping[str, Any] | None = N
     try:
         parts = consumer.list_topics(topic, timeout=10).topics[topic].partitions
         return {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in sorted(parts)}
+    finally:
+        consumer.close()
+
+
+def committed_offsets(
+    bootstrap: str, topic: str, group_id: str, config: Mapping[str, Any] | None = None
+) -> dict[int, int | None]:
+    """The offsets ``group_id`` has committed on each partition of ``topic`` (None: nothing committed there)."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    consumer = Consumer({**connection_config(bootstrap, config), "group.id": group_id, "enable.auto.commit": False})
+    try:
+        parts = consumer.list_topics(topic, timeout=10).topics[topic].partitions
+        found = consumer.committed([TopicPartition(topic, p) for p in sorted(parts)], timeout=10)
+        return {tp.partition: tp.offset if tp.offset >= 0 else None for tp in found}
     finally:
         consumer.close()
 

@@ -62,10 +62,12 @@ def print_report(results: dict[str, dict[str, Any]], base: dict[str, Any], probl
                 print(f"    {reason}")
     for variant, r in results.items():
         if "stages" in r:
-            print(f"\nwall seconds per fused stage ({variant}, job {r['seconds']:.1f}s):")
+            print(f"\nwall seconds per fused stage ({variant}, job {r['seconds']:.1f}s; RSS MB as its bundles ended):")
+            rss = r.get("stage_rss_mb", {})
             for stage, seconds in sorted(r["stages"].items(), key=lambda kv: -kv[1])[:10]:
                 rate = r["records"] / seconds if seconds else 0
-                print(f"  {seconds:7.2f}s {rate:>10,.0f} rec/s {r['bundles'][stage]:>4} bundles  {stage[:90]}")
+                bundles, mb = r["bundles"][stage], rss.get(stage, 0)
+                print(f"  {seconds:7.2f}s {rate:>10,.0f} rec/s {bundles:>4} bundles {mb:6.0f} MB  {stage[:80]}")
 
     for name, found in problems.items():
         print(f"AUDIT PROBLEM ({name}): {'; '.join(found)}")

@@ -5,6 +5,7 @@ local runner (timed per fused stage), on Flink, with HEAD's transforms, or the b
 from __future__ import annotations
 
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -21,8 +22,16 @@ def _usage() -> dict[str, float]:
     return {"cpu_s": usage.ru_utime + usage.ru_stime, "peak_rss_mb": usage.ru_maxrss / 1024}
 
 
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
 class StageClock:
-    """Wall seconds and bundles per fused stage of FnApiRunner, by wrapping its bundle execution (measurement only).
+    """Wall seconds, bundles and memory per fused stage of FnApiRunner, by wrapping its bundle execution
+    (measurement only). ``rss_mb``: the process's resident MB when the stage's bundles ended, the largest; read in
+    stage order, it shows which stage's data grows with the input (FnApiRunner keeps every stage's output in memory
+    until the stages that read it have run).
 
     A fused stage runs several transforms in one bundle; it is named here by the top-level transforms it contains.
     """
@@ -30,6 +39,7 @@ class StageClock:
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         self.bundles: dict[str, int] = defaultdict(int)
+        self.rss_mb: dict[str, float] = defaultdict(float)
 
     def install(self) -> None:
         from apache_beam.runners.portability.fn_api_runner import fn_runner
@@ -45,6 +55,7 @@ class StageClock:
                 name = clock.stage_name(bundle_context_manager.stage)
                 clock.seconds[name] += time.perf_counter() - start
                 clock.bundles[name] += 1
+                clock.rss_mb[name] = max(clock.rss_mb[name], _rss_mb())
 
         setattr(fn_runner.FnApiRunner, "_execute_bundle", timed)  # noqa: B010  (measurement only)
 
@@ -82,6 +93,7 @@ def run_beamflow(config: dict[str, Any], no_state_cache: bool) -> dict[str, Any]
         "code": _code_digest([clicks.__file__]),
         "stages": dict(stages.seconds),
         "bundles": dict(stages.bundles),
+        "stage_rss_mb": dict(stages.rss_mb),
         **_usage(),
     }
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from apache_beam.metrics.metric import MetricsFilter
 from psycopg import sql
 
 import pipelines.clicks as clicks
@@ -17,7 +18,8 @@ from beamflow.kafka.admin import end_offsets
 from beamflow.kafka.client import open_consumer
 from beamflow.kafka.record import TopicPartition
 from beamflow.services import ServiceSet, ServiceState
-from pipelines.clicks_demo import run_demo
+from pipelines.clicks_demo import audit_job, run_demo
+from pipelines.common import RunsResult
 
 pytestmark = pytest.mark.services
 
@@ -78,6 +80,31 @@ def test_every_record_is_accounted_for_exactly_once(
     config = resolve_auto(config, service_set)
     clicks.run_with_config(config)
     assert _sessions(postgres.info["dsn"], f"sessions_{run}") == _sessions(postgres.info["dsn"], f"sessions_{run}_once")
+
+    # And in pieces (kafka.run_records_per_partition: the local runner's bound on its memory): runs of at most 300
+    # records per partition, one after the other on fresh tables, write what the one run wrote.
+    pieces = tuple(o.replace("_once", "_pieces").replace("-once", "-pieces") for o in fresh)
+    config = load_config(CONF, (*pieces, "kafka.run_records_per_partition=300"))
+    config.pop("flink", None)
+    config = resolve_auto(config, service_set)
+    result = clicks.run_with_config(config)
+    assert isinstance(result, RunsResult)
+    assert len(result.results) == -(-max(ends.values()) // 300)  # the largest partition's records, 300 a run
+    counters = result.metrics().query(MetricsFilter().with_name("records_read"))["counters"]
+    assert sum(c.committed or 0 for c in counters) == summary.produced  # every run's metrics, each record once
+    client = open_consumer("confluent", kafka.info["bootstrap"], f"clicks-{run}-pieces")
+    try:
+        assert {p: client.committed(TopicPartition(topic, p)) for p in ends} == ends
+    finally:
+        client.close()
+    assert audit_job(config) == audit_job(resolve_auto(_without_flink(load_config(CONF, fresh)), service_set))
+    dsn = postgres.info["dsn"]
+    assert _sessions(dsn, f"sessions_{run}_pieces") == _sessions(dsn, f"sessions_{run}_once")
+
+
+def _without_flink(config: dict[str, object]) -> dict[str, object]:
+    config.pop("flink", None)
+    return config
 
 
 def _sessions(dsn: str, table: str) -> tuple[list[tuple[object, ...]], list[tuple[object, ...]]]:
