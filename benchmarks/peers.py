@@ -18,8 +18,9 @@ Throughput (interleaved rounds; each round runs every variant once on the same t
 - ``beamflow-flink``: ``pipelines.clicks --runner=FlinkRunner`` streaming on the local Flink cluster in the production
   shape (parallelism 2 over two TaskManagers, Python workers beside them, detached submission; ``FlinkRun``).
 
-Each run is its own subprocess; wall seconds from the parent, CPU seconds (user+sys) and peak RSS from ``wait4``'s
-rusage of that child, so every variant is measured the same way. ``beamflow-flink`` cannot be one child: its work
+Each run is its own subprocess; wall seconds from the parent, CPU seconds (user+sys) from ``wait4``'s rusage of that
+child, peak RSS from the child's own ``VmHWM`` (``benchmarks/memory.py``: ``wait4``'s ``ru_maxrss`` is at least the
+parent's RSS), so every variant is measured the same way. ``beamflow-flink`` cannot be one child: its work
 runs in the cluster's processes, so its CPU seconds are theirs (TaskManagers with their Python workers, JobManager,
 job server) plus the submitter's, from its submission until the group's committed offsets reach the topic's end,
 and its peak memory is the largest sum of their RSS, sampled every 0.5 s (the JVMs' heaps included). Every run is
@@ -54,6 +55,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from beamflow.kafka.confluent_backend import TUNED_DEFAULTS
+
 REPO = Path(__file__).resolve().parents[1]
 QUIX_VENV = REPO / ".cache" / "peers" / "quix-venv"
 # The newest quixstreams PyPI served on 2026-12-01 (`pip index versions quixstreams`), with the extras the job uses;
@@ -79,14 +82,7 @@ ZOMBIE_CPU = [False]  # set by main (--zombie-cpu): pause the zombie by CPU seco
 LARGE = 100_000  # --rounds-large applies from this many events on
 # Quix tuning (see docs/benchmarks.md): the same librdkafka fetch settings beamflow's consumer uses, and a 5 s commit
 # interval (Quix's default, and the baseline's Iceberg append interval).
-QUIX_CONSUMER_CONFIG = {
-    "fetch.queue.backoff.ms": 0,
-    "fetch.wait.max.ms": 10,
-    "queued.min.messages": 100000,
-    "queued.max.messages.kbytes": 65536,
-    "fetch.max.bytes": 52428800,
-    "max.partition.fetch.bytes": 4194304,
-}
+QUIX_CONSUMER_CONFIG = dict(TUNED_DEFAULTS)
 
 
 def quix_python() -> str:
@@ -122,7 +118,8 @@ def code_tree(workdir: Path, which: str) -> Path:
 
 
 class Run:
-    """One variant's subprocess: started now, measured with ``wait4`` (its own CPU seconds and peak RSS)."""
+    """One variant's subprocess: started now, measured with ``wait4`` (its own CPU seconds) and by its own report
+    (peak RSS)."""
 
     def __init__(
         self, variant: str, config: dict[str, Any], workdir: Path, python_for_quix: str | None, tree: Path | None = None
@@ -195,7 +192,9 @@ class Run:
             "returncode": self.proc.returncode,
             "seconds": seconds,
             "cpu_s": usage.ru_utime + usage.ru_stime,
-            "peak_rss_mb": usage.ru_maxrss / 1024,
+            # The child's own figure: wait4's ru_maxrss is at least this parent's RSS (benchmarks/memory.py). A child
+            # killed before it reported has none.
+            "peak_rss_mb": float(child.get("peak_rss_mb", "nan")),
             "child": child,
             "tail": "" if self.proc.returncode == 0 else text[-2500:],
         }

@@ -15,11 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.e2e.settings import HEAD_FILES
+from benchmarks.memory import own_peak_rss_mb
 
 
 def _usage() -> dict[str, float]:
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    return {"cpu_s": usage.ru_utime + usage.ru_stime, "peak_rss_mb": usage.ru_maxrss / 1024}
+    return {"cpu_s": usage.ru_utime + usage.ru_stime, "peak_rss_mb": own_peak_rss_mb()}  # not ru_maxrss: see there
 
 
 def _rss_mb() -> float:

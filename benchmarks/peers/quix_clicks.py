@@ -63,15 +63,17 @@ REPO = Path(__file__).resolve().parents[2]
 EVENT_ID_FIELDS = ("user_id", "ad_id", "campaign_id", "event_type", "event_time")
 
 
-def _load_event_id() -> Any:
-    spec = importlib.util.spec_from_file_location("beamflow_event_id", REPO / "beamflow" / "event_id.py")
+def _load(path: str, name: str) -> Any:
+    """``name`` from the repository's module file ``path``, loaded alone (beamflow's dependencies are not here)."""
+    spec = importlib.util.spec_from_file_location(f"beamflow_{Path(path).stem}", REPO / path)
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.event_id_from_fields
+    return getattr(module, name)
 
 
-event_id_from_fields = _load_event_id()
+event_id_from_fields = _load("beamflow/event_id.py", "event_id_from_fields")
+own_peak_rss_mb = _load("benchmarks/memory.py", "own_peak_rss_mb")
 
 IMPRESSION_SCHEMA = pa.schema(
     [
@@ -351,7 +353,7 @@ def main(config_path: str) -> int:
         "dead_letters_direct": progress["dead_letters_direct"],
         "unfinished_partitions": sorted(progress["pending"]),
         "cpu_s": usage.ru_utime + usage.ru_stime,
-        "peak_rss_mb": usage.ru_maxrss / 1024,
+        "peak_rss_mb": own_peak_rss_mb(),  # not ru_maxrss: it carries the parent's (benchmarks/memory.py)
     }
     print("RESULT " + json.dumps(out), flush=True)
     return 0

@@ -55,6 +55,11 @@ CASES: dict[str, tuple[list[str], list[str], str]] = {
         ["kafka.consumer_config={fetch.min.bytes: 1}"],
         "error",
     ),
+    "consumer-fetch-spins": (
+        ["kafka.consumer_config={fetch.queue.backoff.ms: 0}"],
+        ["kafka.consumer_config={fetch.queue.backoff.ms: 5}"],
+        "warning",
+    ),
     "idleness-off": (["kafka.idle_timeout_ms=null"], [], "warning"),
     "no-stable-sink-id": (["iceberg.sink_id=null"], [], "error"),
     "unstable-sink-id": (["iceberg.sink_id=clicks-run-20261129"], [], "error"),
