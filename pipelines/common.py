@@ -312,10 +312,11 @@ class JobRunner:
             if not left:
                 break
             if position == before:
-                # Nothing committed: what is left below the end offsets holds no records to read (transaction
-                # markers, or records deleted by retention), so another run would read nothing either.
+                # Nothing committed: the offsets left below the end hold no records this group reads (transaction
+                # markers, records deleted by retention, or a new group starting at latest), so another run would read
+                # nothing either.
                 self.log.warning(
-                    "%s: run %d read nothing; %d offsets below the end offsets hold no records",
+                    "%s: run %d committed nothing; the %d offsets left below the end offsets hold no records to read",
                     kafka.topic,
                     len(results),
                     left,
