@@ -44,6 +44,7 @@ __all__ = [
     "quarantine_row",
     "quarantine_spec",
     "read_records",
+    "reads_in_one_run",
     "utc",
 ]
 
@@ -145,6 +146,14 @@ def dead_letter_sink(config: JobConfig) -> WriteDeadLetters:
     return WriteDeadLetters("postgres", dsn=pg.dsn, table=pg.dead_letters_table)
 
 
+def reads_in_one_run(job: JobConfig) -> JobConfig:
+    """``job`` without ``kafka.run_records_per_partition``: runs in pieces are the local runner's way to bound its
+    memory; a Flink job (stream or batch) reads to the end in one job, whoever submits it."""
+    if job.kafka is None or job.kafka.run_records_per_partition is None:
+        return job
+    return dataclasses.replace(job, kafka=dataclasses.replace(job.kafka, run_records_per_partition=None))
+
+
 class RunsResult(PipelineResult):
     """The runs of one job run in pieces (``kafka.run_records_per_partition``), as one result: the last run's state,
     and every run's metrics (a counter's results of all runs, so summing them counts the whole job)."""
@@ -215,11 +224,8 @@ class JobRunner:
         job = as_job_config(config)
         if runner != "FlinkRunner":
             return dataclasses.replace(job, flink=None)
+        job = reads_in_one_run(job)
         kafka = required(job.kafka, "kafka")
-        if kafka.run_records_per_partition is not None:
-            # Runs in pieces are the local runner's way to bound its memory; a Flink job reads to the end in one.
-            kafka = dataclasses.replace(kafka, run_records_per_partition=None)
-            job = dataclasses.replace(job, kafka=kafka)
         if (job.flink is None or job.flink.streaming) and kafka.bounded:
             self.log.info(
                 "streaming Flink job: reading %s as a stream (kafka.bounded applies to batch runs)", kafka.topic
@@ -258,6 +264,8 @@ class JobRunner:
         that returns once the job runs, and the job goes on without this process.
         """
         job = as_job_config(config)
+        if runner == "FlinkRunner":
+            job = reads_in_one_run(job)
         if runner == "FlinkRunner" and not (job.flink and job.flink.job_name):
             job = job.with_flink(job_name=job.job.name)
         flink = job.flink.settings() if job.flink else {}

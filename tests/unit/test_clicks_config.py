@@ -21,6 +21,7 @@ from beamflow.config import (
 )
 from beamflow.services import ServiceSet
 from pipelines.clicks import for_runner
+from pipelines.common import reads_in_one_run
 from runners.flink import _KNOWN
 from transforms.commit_offsets_after import CommitOffsetsAfter
 
@@ -105,6 +106,18 @@ def test_a_streaming_flink_run_reads_the_topic_as_a_stream() -> None:
     assert batch.kafka is not None and batch.kafka.bounded is True
     local = for_runner(load_job_config(CONF), "DirectRunner")
     assert local.kafka is not None and local.kafka.bounded is True and local.flink is None
+
+
+def test_only_the_local_runner_runs_in_pieces() -> None:
+    # A Flink job, stream or batch, reads to the end in one job: the cap would stop a batch job early.
+    local = for_runner(load_job_config(CONF), "DirectRunner")
+    assert local.kafka is not None and local.kafka.run_records_per_partition == 50_000
+    for flink in ([], ["flink.streaming=false"]):
+        job = for_runner(load_job_config(CONF, flink), "FlinkRunner")
+        assert job.kafka is not None and job.kafka.run_records_per_partition is None
+    # run_with_config(runner="FlinkRunner") applies the same, for callers that skip for_runner.
+    one = reads_in_one_run(load_job_config(CONF))
+    assert one.kafka is not None and one.kafka.run_records_per_partition is None
 
 
 def test_commit_after_sinks_refuses_a_streaming_pipeline() -> None:
