@@ -1,21 +1,37 @@
-"""A process's own peak memory, for benchmark children to report (no dependencies: the Quix job imports it too).
+"""Process memory from ``/proc``, one reader for every benchmark (no dependencies: the Quix job loads it too).
 
-Why not ``getrusage(...).ru_maxrss``: Linux carries the largest RSS across ``execve``, and Python starts children
-with ``vfork``, so a child's ``ru_maxrss`` (and ``wait4``'s rusage of it) is at least its parent's RSS at the start.
-The benchmark parents hold the generated traffic in memory, so that figure grew with the input whatever the child
-did (a child using 10 MB reported its 611 MB parent's figure). ``VmHWM`` is the high-water mark of the process's own
-memory since its ``execve``.
+Why a child reports its own peak (``own_peak_rss_mb``) rather than ``getrusage(...).ru_maxrss``: Linux carries the
+largest RSS across ``execve``, and Python starts children with ``vfork``, so a child's ``ru_maxrss`` (and ``wait4``'s
+rusage of it) is at least its parent's RSS at the start. The benchmark parents hold the generated traffic in memory,
+so that figure grew with the input whatever the child did (a child using 10 MB reported its 611 MB parent's figure).
+``VmHWM`` is the high-water mark of the process's own memory since its ``execve``.
 """
 
 from __future__ import annotations
 
-__all__ = ["own_peak_rss_mb"]
+__all__ = ["own_peak_rss_mb", "proc_rss_mb"]
+
+
+def _status_mb(pid: int | str, field: str) -> float | None:
+    """The ``field`` line of ``/proc/<pid>/status`` in MB; None when the process is gone (or has no such line)."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def proc_rss_mb(pid: int | str = "self") -> float | None:
+    """Resident memory of one process in MB now (``VmRSS``); None when it is gone."""
+    return _status_mb(pid, "VmRSS")
 
 
 def own_peak_rss_mb() -> float:
     """This process's peak resident memory in MB since it started (``VmHWM`` of ``/proc/self/status``)."""
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("/proc/self/status has no VmHWM line (not Linux?)")
+    peak = _status_mb("self", "VmHWM")
+    if peak is None:
+        raise RuntimeError("/proc/self/status has no VmHWM line (not Linux?)")
+    return peak

@@ -233,7 +233,7 @@ class FlinkRun:
         return found
 
     def _sample_memory(self) -> None:
-        from benchmarks.e2e.samplers import proc_rss_mb
+        from benchmarks.memory import proc_rss_mb
 
         while not self._stop.wait(0.5):
             self.peak_mb = max(self.peak_mb, sum(proc_rss_mb(p) or 0.0 for p in self._cluster_pids()))

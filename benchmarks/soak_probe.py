@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.memory import proc_rss_mb
 from transforms import write_to_iceberg
 
 __all__ = ["PROBE_EVERY_S", "ProbedIcebergCommitFn", "main"]
@@ -48,13 +49,6 @@ class _Probe:
         return collections.Counter(type(o).__qualname__ for o in gc.get_objects())
 
     @staticmethod
-    def _rss_mb() -> float:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-        return 0.0
-
-    @staticmethod
     def _arrow() -> dict[str, Any]:
         """pyarrow's own pool (Parquet files of the Iceberg sink): tracemalloc does not see it."""
         import pyarrow
@@ -78,7 +72,7 @@ class _Probe:
         traced, peak = tracemalloc.get_traced_memory()
         line: dict[str, Any] = {
             "t_s": round(now - self.t0),
-            "rss_mb": round(self._rss_mb(), 1),
+            "rss_mb": round(proc_rss_mb() or 0.0, 1),
             "traced_mb": round(traced / 2**20, 2),
             "traced_peak_mb": round(peak / 2**20, 2),
             **self._arrow(),

@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.memory import proc_rss_mb
+
 
 class LagSampler(threading.Thread):
     """Samples (seconds since start, total lag) for one group every ``every_s``: end offsets minus committed."""
@@ -49,17 +51,6 @@ def _proc_cpu_s(pid: int) -> float | None:
     except OSError:
         return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def proc_rss_mb(pid: int) -> float | None:
-    """Resident memory of one process in MB (None when it is gone)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
 
 
 class JvmSampler(threading.Thread):

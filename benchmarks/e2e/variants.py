@@ -5,7 +5,6 @@ local runner (timed per fused stage), on Flink, with HEAD's transforms, or the b
 from __future__ import annotations
 
 import json
-import os
 import resource
 import subprocess
 import sys
@@ -15,17 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.e2e.settings import HEAD_FILES
-from benchmarks.memory import own_peak_rss_mb
+from benchmarks.memory import own_peak_rss_mb, proc_rss_mb
 
 
 def _usage() -> dict[str, float]:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return {"cpu_s": usage.ru_utime + usage.ru_stime, "peak_rss_mb": own_peak_rss_mb()}  # not ru_maxrss: see there
-
-
-def _rss_mb() -> float:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 class StageClock:
@@ -56,7 +50,7 @@ class StageClock:
                 name = clock.stage_name(bundle_context_manager.stage)
                 clock.seconds[name] += time.perf_counter() - start
                 clock.bundles[name] += 1
-                clock.rss_mb[name] = max(clock.rss_mb[name], _rss_mb())
+                clock.rss_mb[name] = max(clock.rss_mb[name], proc_rss_mb() or 0.0)
 
         setattr(fn_runner.FnApiRunner, "_execute_bundle", timed)  # noqa: B010  (measurement only)
 
