@@ -21,10 +21,23 @@ __all__ = [
     "FlinkRest",
     "FlinkRestError",
     "JobSummary",
+    "root_cause",
 ]
 
 # Flink job states after which a job never changes again (a FAILED job in a session cluster stays FAILED).
 TERMINAL_STATES = frozenset({"FINISHED", "CANCELED", "FAILED"})
+
+
+def root_cause(trace: str) -> str:
+    """The first line of a Java stack trace's innermost ``Caused by:`` (else of the trace itself).
+
+    Flink reports a job that could not start as ``JobInitializationException: Could not start the JobMaster.`` and
+    the reason four causes down, e.g. ``IllegalStateException: Cannot map checkpoint/savepoint state for operator
+    ... to the new program``: the line a user needs is the last one.
+    """
+    lines = [line.strip() for line in trace.splitlines()]
+    causes = [line.removeprefix("Caused by: ") for line in lines if line.startswith("Caused by: ")]
+    return causes[-1] if causes else next((line for line in lines if line), "")
 
 
 class FlinkRestError(RuntimeError):
@@ -145,6 +158,10 @@ class FlinkRest:
     def job_exceptions(self, job_id: str) -> dict[str, Any]:
         result: dict[str, Any] = self._request("GET", f"/jobs/{job_id}/exceptions")
         return result
+
+    def failure_cause(self, job_id: str) -> str:
+        """Why the job failed, in one line: the innermost cause of Flink's root exception ("" if it has none)."""
+        return root_cause(str(self.job_exceptions(job_id).get("root-exception") or ""))
 
     def wait_for_state(self, job_id: str, states: set[str] | frozenset[str], timeout: float = 120.0) -> str:
         """Polls until the job is in one of ``states``; raises FlinkRestError if it ends in another terminal one."""

@@ -282,12 +282,15 @@ class JobRunner:
         self.build(p, job)
         result = p.run()
         if runner == "FlinkRunner" and not attached:
-            from runners.flink import environment_kind, wait_until_running
+            from runners.flink import environment_kind, failed_submission, wait_until_running
 
             if environment_kind(flink.get("environment", "LOOPBACK")) != "LOOPBACK":
                 options = p.options.get_all_options(retain_unknown_options=True)
                 job_name = options.get("job_name") or flink.get("job_name")
                 state = wait_until_running(result, job_name, flink.get("rest_url"))
+                failure = failed_submission(state, job_name, flink.get("rest_url"))
+                if failure:  # a deployment script must not take a job that never ran for a running one
+                    raise SystemExit(f"beamflow: {failure}")
                 self.log.info(
                     "job %s is %s on the Flink cluster; this process may exit (`beamflow flink jobs` lists it)",
                     job_name,

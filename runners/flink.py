@@ -89,6 +89,7 @@ __all__ = [
     "check_reachable",
     "cluster_settings",
     "environment_kind",
+    "failed_submission",
     "flink_flags",
     "flink_options",
     "options_for_service",
@@ -409,6 +410,39 @@ def wait_until_running(
         if time.monotonic() > deadline:
             raise SubmissionError(f"the job did not start within {timeout_s:.0f}s (last state {state})")
         time.sleep(1.0)
+
+
+# Flink's message when a savepoint holds the state of an operator the new job graph lacks.
+_UNMAPPED_STATE = "Cannot map checkpoint/savepoint state"
+
+
+def failed_submission(state: str, job_name: str | None, rest_url: str | None) -> str:
+    """The one line to exit with when a detached job ended as it started (``FAILED``, ``CANCELLED``), else "".
+
+    Beam's job server says only FAILED; the reason is in Flink's job exceptions (a savepoint that does not fit the
+    program, a missing checkpoint folder, a class not found), so it is fetched and named here, with what to do for
+    the savepoint case.
+    """
+    if state not in ("FAILED", "CANCELLED"):
+        return ""
+    cause = ""
+    if rest_url and job_name:
+        from beamflow.flink_rest import FlinkRest
+
+        try:
+            rest = FlinkRest(rest_url, timeout=10)
+            newest = next((job for job in rest.jobs() if job.name == job_name), None)
+            cause = rest.failure_cause(newest.job_id) if newest is not None else ""
+        except Exception as exc:  # the cluster's REST API is down too: say so rather than hide the state
+            cause = f"(its reason could not be read from {rest_url}: {type(exc).__name__})"
+    line = f"job {job_name} is {state} on the Flink cluster" + (f": {cause}" if cause else "")
+    if _UNMAPPED_STATE in cause:
+        line += (
+            ". The savepoint holds state of an operator this job does not have: another job's savepoint, or one "
+            "taken at parallelism 1 on a runner without beamflow's Impulse patch (docs/deploying.md, 'Changing the "
+            "parallelism through a savepoint': start that job afresh, it continues from its group's committed offsets)"
+        )
+    return line
 
 
 def _flink_runs(rest_url: str, job_name: str) -> bool:

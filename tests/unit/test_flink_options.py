@@ -100,3 +100,32 @@ def test_the_plugin_applies_the_worker_settings_where_beam_imports_it_and_nowher
     assert before == [[700, 10, 10], [200]]  # importing beamflow's runner modules changes nothing
     assert after == [list(WORKER_GC_THRESHOLDS), [SAMPLING_PERIOD_MS]]
     assert frozen
+
+
+def test_root_cause_is_the_innermost_caused_by_of_a_java_trace() -> None:
+    from beamflow.flink_rest import root_cause
+
+    trace = (
+        "org.apache.flink.runtime.client.JobInitializationException: Could not start the JobMaster.\n"
+        "\tat org.apache.flink.runtime.jobmaster.DefaultJobMasterServiceProcess.lambda$new$0(X.java:97)\n"
+        "Caused by: java.util.concurrent.CompletionException: java.lang.IllegalStateException: Failed to rollback\n"
+        "\tat java.base/java.util.concurrent.CompletableFuture.encodeThrowable(CompletableFuture.java:315)\n"
+        "Caused by: java.lang.IllegalStateException: Cannot map checkpoint/savepoint state for operator cbc3 to the "
+        "new program\n"
+        "\t... 7 more\n"
+    )
+    assert root_cause(trace) == (
+        "java.lang.IllegalStateException: Cannot map checkpoint/savepoint state for operator cbc3 to the new program"
+    )
+    assert root_cause("java.lang.RuntimeException: boom\n\tat a.b(C.java:1)\n") == "java.lang.RuntimeException: boom"
+    assert root_cause("") == ""
+
+
+def test_a_detached_job_that_ended_as_it_started_is_a_failed_submission_with_a_hint_for_savepoints() -> None:
+    from runners.flink import failed_submission
+
+    assert failed_submission("RUNNING", "j", None) == ""
+    assert failed_submission("DONE", "j", None) == ""  # a bounded job that already finished
+    assert failed_submission("FAILED", "j", None) == "job j is FAILED on the Flink cluster"
+    line = failed_submission("CANCELLED", "j", "http://127.0.0.1:1")  # nothing listens: the line still says why not
+    assert line.startswith("job j is CANCELLED on the Flink cluster: (its reason could not be read from"), line
