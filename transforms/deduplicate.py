@@ -15,7 +15,6 @@ from apache_beam.transforms.trigger import DefaultTrigger
 from apache_beam.transforms.userstate import ReadModifyWriteStateSpec, TimerSpec, on_timer
 from apache_beam.transforms.window import GlobalWindows, TimestampedValue
 from apache_beam.utils.timestamp import Duration, Timestamp
-from apache_beam.utils.windowed_value import WindowedValue
 
 from transforms._global_window import in_global_window
 from transforms._run_mode import is_batch_bounded
@@ -248,11 +247,12 @@ class _FirstCopyFromStore(beam.DoFn):
             pool.close()
 
     def start_bundle(self) -> None:
-        self._batch: list[tuple[Any, Any, Any, Any]] = []
+        self._batch: list[tuple[Any, Any]] = []
 
-    def process(
-        self, event: Any, timestamp: Any = beam.DoFn.TimestampParam, window: Any = beam.DoFn.WindowParam
-    ) -> Iterator[Any]:
+    # The windowed value itself, not TimestampParam and WindowParam: Beam resolves each parameter per element through a
+    # chain of comparisons and builds a Timestamp for TimestampParam (6.8 us an element for the two against 2.6 for
+    # this one, on the local runner), and a first copy leaves as the very windowed value it came in.
+    def process(self, event: Any, windowed: Any = beam.DoFn.WindowedValueParam) -> Iterator[Any]:
         try:
             event_id = self._id_of(event)
             error = "id is None"
@@ -268,11 +268,11 @@ class _FirstCopyFromStore(beam.DoFn):
             except (KeyError, TypeError, AttributeError, ValueError) as exc:
                 reason = f"no Kafka coordinates to tell replays from copies ({type(exc).__name__}: {exc})"
         if reason is not None:
-            quarantined = QuarantinedEvent(event, event_id, reason, timestamp)
-            yield beam.pvalue.TaggedOutput(_QUARANTINE, WindowedValue(quarantined, timestamp, (window,)))
+            quarantined = QuarantinedEvent(event, event_id, reason, windowed.timestamp)
+            yield beam.pvalue.TaggedOutput(_QUARANTINE, windowed.with_value(quarantined))
             return
-        copy = self._copy(str(event_id), topic, int(partition), int(offset), timestamp.micros // 1000)
-        self._batch.append((copy, event, timestamp, window))
+        copy = self._copy(str(event_id), topic, int(partition), int(offset), windowed.timestamp_micros // 1000)
+        self._batch.append((copy, windowed))
         if len(self._batch) >= self._max_batch:
             yield from self._flush()
 
@@ -283,22 +283,22 @@ class _FirstCopyFromStore(beam.DoFn):
         batch, self._batch = self._batch, []
         if not batch:
             return
-        verdicts = self._store.claim([copy for copy, _, _, _ in batch])
+        verdicts = self._store.claim([copy for copy, _ in batch])
         unique = 0
-        for (copy, event, timestamp, window), verdict in zip(batch, verdicts, strict=True):
+        for (copy, windowed), verdict in zip(batch, verdicts, strict=True):
             if verdict.first:
                 unique += 1
-                yield WindowedValue(event, timestamp, (window,))
+                yield windowed
                 continue
             first_seen = Timestamp(micros=verdict.first_ms * 1000)
             quarantined = QuarantinedEvent(
-                event,
+                windowed.value,
                 copy.event_id,
                 f"duplicate of event id {copy.event_id!r} first seen at {first_seen.to_rfc3339()}",
-                timestamp,
+                windowed.timestamp,
                 first_seen,
             )
-            yield beam.pvalue.TaggedOutput(_QUARANTINE, WindowedValue(quarantined, timestamp, (window,)))
+            yield beam.pvalue.TaggedOutput(_QUARANTINE, windowed.with_value(quarantined))
         self._unique.inc(unique)
         if unique < len(batch):
             self._duplicates.inc(len(batch) - unique)

@@ -81,14 +81,16 @@ class _PartialSessionsPerBundle(beam.DoFn):
         self._buffer: dict[Any, list[tuple[int, Any]]] = {}
         self._buffered = 0
 
-    def process(self, element: tuple[Any, Any], timestamp: Any = beam.DoFn.TimestampParam) -> Any:
+    # The windowed value's int micros, not TimestampParam (a Timestamp built per input, and a longer chain of Beam's
+    # per-element parameter comparisons: 3.9 us an element against 2.6 on the local runner).
+    def process(self, element: tuple[Any, Any], windowed: Any = beam.DoFn.WindowedValueParam) -> Any:
         key, value = element
         timed = self._buffer.get(key)
         if timed is None:
             timed = self._buffer[key] = []
         # Millisecond precision: the runners' coders carry timestamps and windows in millis, so a session formed
         # after any shuffle has millisecond bounds (and so do the windowed path's).
-        timed.append((timestamp.micros // 1000 * 1000, value))
+        timed.append((windowed.timestamp_micros // 1000 * 1000, value))
         self._buffered += 1
         if self._buffered >= MAX_BUFFERED_INPUTS:
             yield from self._flush()
