@@ -71,7 +71,7 @@ class SessionClicks:
             if offset is not None and partition is not None:
                 click_offsets = click_offsets.add(partition, offset)
         else:
-            raise ValueError(f"unknown event type {event_type!r}: expected {IMPRESSION!r} or {CLICK!r}")
+            raise _unknown_type(event_type)
         return SessionClicks(
             impressions,
             clicks,
@@ -116,6 +116,10 @@ class SessionClicks:
         )
 
 
+def _unknown_type(event_type: Any) -> ValueError:
+    return ValueError(f"unknown event type {event_type!r}: expected {IMPRESSION!r} or {CLICK!r}")
+
+
 class SessionClicksFn(CombineFn):
     """Combines click-stream events (mappings) into one ``SessionClicks`` per key and window.
 
@@ -141,7 +145,7 @@ class SessionClicksFn(CombineFn):
     def create_accumulator(self) -> SessionClicks:
         return SessionClicks()
 
-    def add_input(self, accumulator: SessionClicks, element: Mapping[str, Any]) -> SessionClicks:
+    def _type_and_time(self, element: Mapping[str, Any]) -> tuple[Any, int | float]:
         try:
             event_type = element[self.type_field]
             event_time = element[self.time_field]
@@ -151,9 +155,45 @@ class SessionClicksFn(CombineFn):
             ) from exc
         if isinstance(event_time, bool) or not isinstance(event_time, int | float):
             raise ValueError(f"{self.time_field!r} must be a number, got {event_time!r}")
+        return event_type, event_time
+
+    def add_input(self, accumulator: SessionClicks, element: Mapping[str, Any]) -> SessionClicks:
+        event_type, event_time = self._type_and_time(element)
         return accumulator.add(
             event_type, event_time, element.get(self.partition_field), element.get(self.offset_field)
         )
+
+    def add_inputs(self, accumulator: SessionClicks, elements: Iterable[Mapping[str, Any]]) -> SessionClicks:
+        """``add_input`` of many events at once, with the same result: one new value instead of one per event, and
+        each type's offsets sorted once. Added one at a time, a session's offsets cost a tuple copy per event (a
+        user's offsets are not adjacent in a partition other users write too), quadratic in the session's events."""
+        counts = {IMPRESSION: 0, CLICK: 0}
+        coordinates: dict[str, list[tuple[int, int, int]]] = {IMPRESSION: [], CLICK: []}
+        first: int | float | None = None
+        last: int | float | None = None
+        for element in elements:
+            event_type, event_time = self._type_and_time(element)
+            if event_type not in counts:
+                raise _unknown_type(event_type)
+            counts[event_type] += 1
+            partition, offset = element.get(self.partition_field), element.get(self.offset_field)
+            if offset is not None and partition is not None:
+                coordinates[event_type].append((partition, offset, offset))
+            if first is None or event_time < first:
+                first = event_time
+            if last is None or event_time > last:
+                last = event_time
+        if first is None:
+            return accumulator
+        added = SessionClicks(
+            counts[IMPRESSION],
+            counts[CLICK],
+            first,
+            last,
+            OffsetRanges(coordinates[IMPRESSION]) if coordinates[IMPRESSION] else _NONE,
+            OffsetRanges(coordinates[CLICK]) if coordinates[CLICK] else _NONE,
+        )
+        return accumulator.merge(added)
 
     def merge_accumulators(self, accumulators: Iterable[SessionClicks]) -> SessionClicks:
         merged = SessionClicks()

@@ -30,6 +30,43 @@ def test_offset_ranges_are_sets(a: list[tuple[int, int]], b: list[tuple[int, int
     assert all(c in ra for c in a)
 
 
+click_events = st.lists(
+    st.fixed_dictionaries(
+        {"event_type": st.sampled_from(["impression", "click"]), "event_time": st.integers(0, 10_000)},
+        optional={"kafka_partition": st.integers(0, 3), "kafka_offset": st.integers(0, 40)},
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(click_events, click_events)
+def test_add_inputs_equals_adding_one_event_at_a_time(before: list[dict], events: list[dict]) -> None:
+    fn = SessionClicksFn()
+    start = fn.create_accumulator()
+    for event in before:
+        start = fn.add_input(start, event)
+    one_by_one = start
+    for event in events:
+        one_by_one = fn.add_input(one_by_one, event)
+    assert fn.add_inputs(start, events) == one_by_one
+
+
+def test_add_inputs_refuses_what_add_input_refuses() -> None:
+    fn = SessionClicksFn()
+    for bad, message in (
+        ({"event_type": "view", "event_time": 1}, "unknown event type 'view'"),
+        ({"event_type": "click"}, "needs fields"),
+        ({"event_type": "click", "event_time": "soon"}, "must be a number"),
+    ):
+        for add in (
+            lambda e: fn.add_input(fn.create_accumulator(), e),
+            lambda e: fn.add_inputs(fn.create_accumulator(), [e]),
+        ):
+            with pytest.raises(ValueError, match=message):
+                add(bad)
+
+
 def test_offset_ranges_text_form() -> None:
     ranges = OffsetRanges.of([(0, 100), (0, 101), (0, 102), (0, 190), (2, 5), (2, 6)])
     assert ranges.encode() == "0:100-102,190;2:5-6"

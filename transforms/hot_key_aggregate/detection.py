@@ -92,9 +92,10 @@ class _SampleKeys(beam.DoFn):
     def __init__(self, sample_every: int) -> None:
         self._every = sample_every
 
-    def process(self, element: tuple[Any, Any], timestamp: Any = beam.DoFn.TimestampParam) -> Any:
+    # The windowed value's int micros, not TimestampParam: no Timestamp built per element.
+    def process(self, element: tuple[Any, Any], windowed: Any = beam.DoFn.WindowedValueParam) -> Any:
         key = element[0]
-        if _stable_hash(f"{timestamp.micros}|{key!r}") % self._every == 0:
+        if _stable_hash(f"{windowed.timestamp_micros}|{key!r}") % self._every == 0:
             yield key
 
 

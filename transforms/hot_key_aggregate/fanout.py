@@ -49,7 +49,7 @@ class _RouteByHotness(beam.DoFn):
     def process(
         self,
         element: tuple[Any, Any],
-        timestamp: Any = beam.DoFn.TimestampParam,
+        windowed: Any = beam.DoFn.WindowedValueParam,  # its int micros: no Timestamp built per element
         detected: frozenset[Any] = frozenset(),
     ) -> Any:
         self._inputs.inc()
@@ -66,7 +66,7 @@ class _RouteByHotness(beam.DoFn):
             # the same bundle replayed gets the same shards.
             start = self._next_shard.get(key)
             if start is None:
-                start = _stable_hash(timestamp.micros)
+                start = _stable_hash(windowed.timestamp_micros)
             shard = start % self._fanout
             self._next_shard[key] = start + 1
         yield beam.pvalue.TaggedOutput(_HOT, ((key, shard), value))

@@ -49,10 +49,7 @@ def _partial_sessions(fn: _CountingCombineFn, gap: int, timed: list[tuple[int, A
     """(start, end, accumulator) of each session formed by ``timed`` (event time in int micros, value) alone."""
     sessions = []
     for start, end, values in _merge_spans([(t, t + gap, value) for t, value in timed]):
-        accumulator = fn.create_accumulator()
-        for value in values:
-            accumulator = fn.add_input(accumulator, value)
-        sessions.append((start, end, accumulator))
+        sessions.append((start, end, fn.add_inputs(fn.create_accumulator(), values)))
     return sessions
 
 
