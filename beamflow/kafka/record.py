@@ -16,9 +16,12 @@ class TopicPartition:
         return f"{self.topic}-{self.partition}"
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class KafkaRecord:
-    """One Kafka record. ``key`` and ``value`` are the raw bytes (``None`` for a null key or a tombstone)."""
+    """One Kafka record. ``key`` and ``value`` are the raw bytes (``None`` for a null key or a tombstone).
+
+    Treat it as a value. It is not frozen because the read makes one per record, and a frozen dataclass's
+    ``__init__`` (``object.__setattr__`` per field) cost 1.7 us a record against 0.27 for this slotted one."""
 
     topic: str
     partition: int

@@ -26,7 +26,8 @@ from beamflow.postgres.table import lock_creation
 __all__ = ["Copy", "FirstCopyStore", "Verdict"]
 
 
-@dataclass(frozen=True)
+# Slotted, not frozen: one Copy and one Verdict per event, and a frozen dataclass's __init__ costs about 1 us more.
+@dataclass(slots=True)
 class Copy:
     """One record carrying an event id: where it sits in Kafka and its event time (epoch ms)."""
 
@@ -41,7 +42,7 @@ class Copy:
         return self.topic, self.partition, self.offset
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Verdict:
     """``first``: pass the copy on; otherwise a duplicate of the copy recorded at ``first_ms`` (epoch ms)."""
 

@@ -11,6 +11,8 @@ from typing import Any
 import apache_beam as beam
 import pytest
 from apache_beam.testing.util import assert_that, equal_to
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from beamflow.event_id import event_id_from_coordinates, event_id_from_fields
 from runners.direct import local_options
@@ -117,3 +119,19 @@ def test_ids_are_pinned_across_releases() -> None:
         "h": 10**20,
     }
     assert event_id_from_fields(awkward, list("abcdefgh")) == "a1d3151b-ad0a-7c0d-fa89-3879fcef6322"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.text(max_size=12), st.one_of(st.text(), st.integers(), st.booleans(), st.floats())), max_size=5
+    )
+)
+def test_written_out_json_is_the_encoders_text(pairs: list[tuple[str, Any]]) -> None:
+    # The str/int fast path of event_id_from_fields against the JSON encoder it stands in for (any text: quotes,
+    # backslashes, control characters, non-ASCII, surrogates; big and negative ints; other types fall back).
+    from beamflow.event_id import _COMPACT_JSON, _canonical, _compact_json
+
+    record = dict(pairs)
+    fields = list(record)
+    assert _compact_json(record, fields) == _COMPACT_JSON.encode([[f, _canonical(record[f])] for f in fields])
