@@ -96,6 +96,8 @@ def _run(args: argparse.Namespace) -> int:
                 f"{job.job_id}  {job.state:10} started {started}Z  {job.duration_ms / 1000:8.1f}s  "
                 f"checkpoints ok={checkpoints.get('completed', 0)} failed={checkpoints.get('failed', 0)}  {job.name}"
             )
+            if job.state == "FAILED":  # why, in one line: the innermost cause, not the web UI's stack trace
+                print(f"    failed: {rest.failure_cause(job.job_id) or '(Flink recorded no exception)'}")
     elif action == "savepoint":
         args.job_id = args.job_id or _running_job(rest)
         if args.stop:

@@ -50,3 +50,18 @@ def test_a_job_that_fails_as_it_starts_fails_the_submission_with_flinks_reason(
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith(f"beamflow: job {config['job']['name']} is FAILED on the Flink cluster: "), last
     assert missing in last and "Cannot find checkpoint or savepoint" in last, last  # Flink's own reason, one line
+    # `beamflow flink jobs` says the same under the failed job.
+    listed = subprocess.run(
+        [sys.executable, "-m", "beamflow", "flink", "--rest", flink.info["rest_url"], "jobs"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert listed.returncode == 0, listed.stderr[-2000:]
+    lines = listed.stdout.splitlines()
+    row = next(i for i, line in enumerate(lines) if line.rstrip().endswith(config["job"]["name"]))
+    assert " FAILED " in lines[row] and lines[row + 1].strip().startswith("failed: java.io.FileNotFoundException"), (
+        listed.stdout
+    )
