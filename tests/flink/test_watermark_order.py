@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import subprocess
 import sys
 import time
 import uuid
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -46,6 +48,7 @@ def _run_job(state: ServiceState, out: Path) -> dict[int, list[int]]:
         job = subprocess.Popen(argv, cwd=project_root(), stdout=log, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 300
+            ids: list[str] = []
             while not (out / "gate").exists():
                 assert time.monotonic() < deadline, "no checkpoint started in 300 s"
                 assert job.poll() is None, (out / "submit.log").read_text()[-3000:]
@@ -54,7 +57,22 @@ def _run_job(state: ServiceState, out: Path) -> dict[int, list[int]]:
                     if ids and rest.checkpoints(ids[0]).get("counts", {}).get("in_progress", 0) > 0:
                         (out / "gate").touch()
                 time.sleep(0.2)
-            assert job.wait(timeout=300) == 0, (out / "submit.log").read_text()[-3000:]
+            # Flink's own state says when the job is over (the job ends once the Impulse idled 15 s). Beam's Python
+            # client usually exits a second later; once in about six whole-suite runs it stayed up after Flink had
+            # finished the job and the job server had logged "Execution finished" (2026-12-05): a hang in the
+            # client's exit, not in the runner this test is about. Its threads' stacks are then put in the
+            # submitter's log and in a warning, and the test goes on with what the job wrote.
+            state = rest.wait_for_state(ids[0], {"FINISHED"}, timeout=300)
+            try:
+                assert job.wait(timeout=60) == 0, (out / "submit.log").read_text()[-3000:]
+            except subprocess.TimeoutExpired:
+                job.send_signal(signal.SIGUSR1)  # faulthandler in the job module dumps every thread's stack
+                time.sleep(2)
+                warnings.warn(
+                    f"job {ids[0]} was {state} but its Beam client had not exited 60 s later; its threads:\n"
+                    + (out / "submit.log").read_text()[-6000:],
+                    stacklevel=1,
+                )
         finally:
             job.kill()
     return {int(path.stem): json.loads(path.read_text()) for path in out.glob("*.json")}

@@ -81,4 +81,8 @@ def main(state_json: str, out_dir: str, job_name: str) -> None:
 
 
 if __name__ == "__main__":
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for the stacks if this process lingers
     main(*sys.argv[1:4])
