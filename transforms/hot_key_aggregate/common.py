@@ -86,9 +86,7 @@ class _CountingCombineFn(CombineFn):
     def add_inputs(self, accumulator: tuple[Any, int], elements: Iterable[Any]) -> tuple[Any, int]:
         """Many inputs at once through the inner fn's ``add_inputs`` (which a fn may do faster than one by one)."""
         if self.stage == "final":
-            for element in elements:
-                accumulator = self.add_input(accumulator, element)
-            return accumulator
+            return super().add_inputs(accumulator, elements)  # Beam's: add_input one by one
         values = list(elements)
         inner, n = accumulator
         return self.inner.add_inputs(inner, values), n + len(values)
