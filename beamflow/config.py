@@ -189,6 +189,7 @@ class KafkaSinkConfig:
     ledger_table: str = "kafka_sink_ledger"  # exactly-once: the record ids written, in postgres.dsn
     shards: int = 4  # exactly-once: transactional producers, one per shard
     producer_config: dict[str, Any] = field(default_factory=dict)  # librdkafka settings over the sink's defaults
+    timestamps: str = "event-time"  # event-time | producer (a backfill of events older than the topic's retention)
 
     @property
     def group(self) -> str:

@@ -426,6 +426,7 @@ def _kafka_sink(job: JobConfig) -> beam.PTransform:
         sink.topic,
         mode=sink.mode,
         producer_config=dict(sink.producer_config) or None,
+        timestamps=sink.timestamps,
         **exactly_once,
     )
 

@@ -34,7 +34,7 @@ from beamflow.kafka.producer import (
     ShardLedger,
     build_producer_config,
     check_producer_config,
-    fetch_size_limit,
+    fetch_topic_limits,
     shard_of,
     topic_partition_count,
 )
@@ -42,10 +42,19 @@ from transforms.sink_base import DEAD_LETTERS, Declared, Guarantee, SinkFn, Sink
 
 _MIN_MICROS, _MAX_MICROS = MIN_TIMESTAMP.micros, MAX_TIMESTAMP.micros
 
-__all__ = ["DEAD_LETTERS", "METRICS_NAMESPACE", "MODES", "ProducerRecord", "WriteToKafka", "close_shared_writers"]
+__all__ = [
+    "DEAD_LETTERS",
+    "METRICS_NAMESPACE",
+    "MODES",
+    "TIMESTAMPS",
+    "ProducerRecord",
+    "WriteToKafka",
+    "close_shared_writers",
+]
 
 METRICS_NAMESPACE = "beamflow.kafka_sink"
 MODES = ("exactly-once", "at-least-once")
+TIMESTAMPS = ("event-time", "producer")
 _STAGE = "write_to_kafka"
 # Shorter than this, a replay after a restore (or a rerun of a failed bounded job) could come after its ids were
 # pruned and be written again.
@@ -99,19 +108,21 @@ def _as_bytes(value: Any, what: str) -> bytes | None:
 
 class _RecordMaker:
     """Element -> (ProducerRecord, its timestamp in ms): the record's own timestamp, else the element's event time
-    (None when that is Beam's min or max). Raises on an element that cannot become a record: the caller makes it a
-    dead letter. The timestamp travels beside the record, so a ``ProducerRecord`` element is written as it is, not
-    copied into a new frozen dataclass per element."""
+    (None when that is Beam's min or max, or when ``event_time`` is off: the producer stamps the record). Raises on an
+    element that cannot become a record: the caller makes it a dead letter. The timestamp travels beside the record,
+    so a ``ProducerRecord`` element is written as it is, not copied into a new dataclass per element."""
 
     def __init__(
         self,
         key_fn: Callable[[Any], Any] | None,
         value_fn: Callable[[Any], Any] | None,
         id_fn: Callable[[Any], Any] | None,
+        event_time: bool = True,
     ) -> None:
         self._key_fn = key_fn
         self._value_fn = value_fn
         self._id_fn = id_fn
+        self._event_time = event_time
 
     def __call__(self, element: Any, micros: int) -> tuple[ProducerRecord, int | None]:
         if isinstance(element, ProducerRecord) and self._key_fn is None and self._value_fn is None:
@@ -123,7 +134,7 @@ class _RecordMaker:
             value = _as_bytes(self._value_fn(element) if self._value_fn else element, "the value")
             record_id = str(self._id_fn(element)) if self._id_fn is not None else None
             record = ProducerRecord(value, key, (), record_id)
-        if record.timestamp_ms is not None:
+        if record.timestamp_ms is not None or not self._event_time:
             return record, record.timestamp_ms
         return record, micros // 1000 if _MIN_MICROS < micros < _MAX_MICROS else None
 
@@ -219,7 +230,7 @@ class _TransactionalFn(SinkFn):
             )
         self._partitions = partitions
         config = build_producer_config(self._bootstrap, self._config)
-        self._limit = fetch_size_limit(self._bootstrap, self._topic, config, _STAGE)
+        self._limit = fetch_topic_limits(self._bootstrap, self._topic, config, _STAGE)
         self._ledger = _ledger(self._ledger_dsn, self._ledger_table, self._retention_s, self._shards)
         self._threads: dict[int, ThreadPoolExecutor] = {}
         self._pending: list[tuple[Future[tuple[int, int, int, list[DeadLetter]]], int]] = []
@@ -239,7 +250,7 @@ class _TransactionalFn(SinkFn):
                     self._config,
                     timeout_s=self._timeout_s,
                     stage=_STAGE,
-                    size_limit=self._limit,
+                    limits=self._limit,
                     partitions=self._partitions,
                 )
                 found = _SHARED[key] = (writer, threading.Lock())
@@ -375,8 +386,9 @@ class _IdempotentFn(SinkFn):
 
 class WriteToKafka(beam.PTransform):
     """Writes records to ``topic``; returns a ``SinkResult``: a report per written batch (``{"topic", "rows_written",
-    ...}``) and the ``DeadLetter`` of every element refused (not encodable, or too large for the broker: reason
-    ``too large for the broker: ...``, error ``MSG_SIZE_TOO_LARGE``).
+    ...}``) and the ``DeadLetter`` of every element refused (not encodable; too large for the broker: reason
+    ``too large for the broker: ...``, error ``MSG_SIZE_TOO_LARGE``; a timestamp the topic refuses or would delete at
+    once, below).
 
     ::
 
@@ -452,9 +464,17 @@ class WriteToKafka(beam.PTransform):
     Both modes: seed 002's producer defaults (``batch.size`` 128 KB, ``linger.ms`` 75, ``lz4``), every one overridable
     in ``producer_config``; a delivery error (broker down past ``message.timeout.ms``, a topic that does not exist or
     was deleted) fails the bundle (the runner retries it; the local runner fails the pipeline); a record larger than the
-    smaller of the producer's ``message.max.bytes`` and the topic's ``max.message.bytes`` goes to ``dead_letters``. Each
-    record gets the element's event time as its timestamp. Counters in the ``beamflow.kafka_sink`` metrics namespace:
-    ``records_written``, ``replays_skipped``, ``dead_letters``.
+    smaller of the producer's ``message.max.bytes`` and the topic's ``max.message.bytes`` goes to ``dead_letters``.
+    Timestamps: ``timestamps="event-time"`` (the default) stamps each record with its own ``timestamp_ms``, else the
+    element's event time; ``"producer"`` with its own, else the time it is produced (Kafka's default, and Beam Java
+    ``KafkaIO``'s unless ``withInputTimestamp``). On a topic that keeps the producer's timestamps (``CreateTime``), a
+    record the broker would refuse goes to ``dead_letters`` (error ``INVALID_TIMESTAMP``): stamped more than
+    ``message.timestamp.after.max.ms`` ahead (one hour by default) or ``before.max.ms`` behind; the broker refuses the
+    whole batch it travels in, so one such record would otherwise fail every retry of its bundle. So does a record
+    stamped longer ago than the topic's ``retention.ms`` (error ``TIMESTAMP_BEYOND_RETENTION``): Kafka would delete it
+    within minutes, so a backfill of old events must write with ``"producer"`` (or to a topic that keeps them).
+    Counters in the ``beamflow.kafka_sink`` metrics namespace: ``records_written``, ``replays_skipped``,
+    ``dead_letters``.
     """
 
     GUARANTEES = {"exactly_once": _TransactionalFn.GUARANTEE, "at_least_once": _IdempotentFn.GUARANTEE}
@@ -478,10 +498,13 @@ class WriteToKafka(beam.PTransform):
         ledger_retention_s: float = 7 * 86400,
         timeout_s: float = 60.0,
         max_in_flight_bytes: int = 64 * 1024 * 1024,
+        timestamps: str = "event-time",
     ) -> None:
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"WriteToKafka mode must be one of {', '.join(MODES)}, not {mode!r}")
+        if timestamps not in TIMESTAMPS:
+            raise ValueError(f"WriteToKafka timestamps must be one of {', '.join(TIMESTAMPS)}, not {timestamps!r}")
         config = dict(producer_config or {})
         check_producer_config(config, exactly_once=mode == "exactly-once")
         if mode == "exactly-once":
@@ -518,7 +541,8 @@ class WriteToKafka(beam.PTransform):
         self.ledger_retention_s = ledger_retention_s
         self.timeout_s = timeout_s
         self.max_in_flight_bytes = max_in_flight_bytes
-        self._make = _RecordMaker(key_fn, value_fn, id_fn)
+        self.timestamps = timestamps
+        self._make = _RecordMaker(key_fn, value_fn, id_fn, event_time=timestamps == "event-time")
         if mode == "exactly-once":
             from beamflow.postgres.table import validate_identifier
 

@@ -72,10 +72,11 @@ __all__ = [
     "ProducerRecord",
     "ShardFenced",
     "ShardLedger",
+    "TopicLimits",
     "build_producer_config",
     "check_producer_config",
     "connection_config",
-    "fetch_size_limit",
+    "fetch_topic_limits",
     "ledger_key",
     "record_size",
     "shard_of",
@@ -162,20 +163,28 @@ def shard_of(record: ProducerRecord, shards: int) -> int:
     return int.from_bytes(hashlib.blake2b(basis, digest_size=8).digest(), "big") % shards
 
 
-def topic_max_message_bytes(
+def topic_config(
     bootstrap: str, topic: str, timeout_s: float = 30.0, config: dict[str, Any] | None = None
-) -> int:
-    """The topic's ``max.message.bytes`` (the broker's limit for a record batch); raises for a missing topic."""
+) -> dict[str, str]:
+    """The topic's configuration (name -> value as the broker reports it); raises for a missing topic."""
     from confluent_kafka.admin import AdminClient, ConfigResource
 
     admin = AdminClient(connection_config(bootstrap, config))
     futures = admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, topic)])
     for future in futures.values():
         try:
-            return int(future.result(timeout_s)["max.message.bytes"].value)
+            entries = future.result(timeout_s)
         except Exception as exc:
             raise KafkaWriteError(f"topic {topic}: cannot read its configuration ({exc})") from exc
+        return {name: entry.value for name, entry in entries.items()}
     raise KafkaWriteError(f"no configuration for topic {topic}")
+
+
+def topic_max_message_bytes(
+    bootstrap: str, topic: str, timeout_s: float = 30.0, config: dict[str, Any] | None = None
+) -> int:
+    """The topic's ``max.message.bytes`` (the broker's limit for a record batch); raises for a missing topic."""
+    return int(topic_config(bootstrap, topic, timeout_s, config)["max.message.bytes"])
 
 
 @dataclass
@@ -189,34 +198,90 @@ class WriterStats:
     fenced: int = 0
 
 
+_LONG_MAX = 2**63 - 1
+
+
 @dataclass
-class SizeLimit:
-    """Records larger than ``max_bytes`` (about: see ``record_size``) go to dead letters instead of Kafka."""
+class TopicLimits:
+    """What the topic refuses or loses, checked before producing: such records go to dead letters with the reason.
+
+    - Records larger than ``max_bytes`` (about: see ``record_size``): the broker refuses them.
+    - With ``CreateTime`` timestamps, a record stamped more than ``after_max_ms`` ahead of now, or more than
+      ``before_max_ms`` before it (``message.timestamp.after.max.ms``, one hour by default in Kafka 4, and
+      ``.before.max.ms``): the broker refuses the **whole batch** it travels in (``INVALID_TIMESTAMP``), so one such
+      record would fail every retry of its bundle and stop the job.
+    - With ``CreateTime`` and ``cleanup.policy`` ``delete``, a record stamped more than ``retention_ms`` ago: Kafka
+      keeps it only until its segment closes, and a segment whose first record is that old closes at once, so the
+      next retention check (``log.retention.check.interval.ms``, five minutes) deletes it. A backfill that writes
+      results stamped with old event times would lose them a few minutes later, silently.
+
+    Records without a timestamp (the producer stamps them with the current time) only have their size checked.
+    """
 
     max_bytes: int
     stage: str
+    before_max_ms: int | None = None
+    after_max_ms: int | None = None
+    retention_ms: int | None = None
+    clock: Callable[[], float] = field(default=time.time, repr=False)
 
     def split(self, records: Iterable[ProducerRecord]) -> tuple[list[ProducerRecord], list[DeadLetter]]:
         fit: list[ProducerRecord] = []
         dead: list[DeadLetter] = []
+        now_ms = int(self.clock() * 1000)
         for record in records:
-            size = record_size(record)
-            if size > self.max_bytes:
-                dead.append(self.exceeds(record, size))
-            else:
+            refused = self.refuse(record, record.timestamp_ms, now_ms)
+            if refused is None:
                 fit.append(record)
+            else:
+                dead.append(refused)
         return fit, dead
+
+    def refuse(self, record: ProducerRecord, timestamp_ms: int | None, now_ms: int | None = None) -> DeadLetter | None:
+        """The dead letter of ``record`` (to be stamped ``timestamp_ms``) if the topic would refuse or lose it."""
+        size = record_size(record)
+        if size > self.max_bytes:
+            return self.exceeds(record, size)
+        if timestamp_ms is None:
+            return None
+        now_ms = int(self.clock() * 1000) if now_ms is None else now_ms
+        age_ms = now_ms - timestamp_ms
+        if self.after_max_ms is not None and -age_ms > self.after_max_ms:
+            return self._dead(
+                record,
+                f"timestamp {timestamp_ms} is {-age_ms} ms ahead of now; the broker refuses more than "
+                f"{self.after_max_ms} ms (message.timestamp.after.max.ms), and with it the whole batch",
+                "INVALID_TIMESTAMP",
+            )
+        if self.before_max_ms is not None and age_ms > self.before_max_ms:
+            return self._dead(
+                record,
+                f"timestamp {timestamp_ms} is {age_ms} ms old; the broker refuses more than {self.before_max_ms} ms "
+                "(message.timestamp.before.max.ms), and with it the whole batch",
+                "INVALID_TIMESTAMP",
+            )
+        if self.retention_ms is not None and age_ms > self.retention_ms:
+            return self._dead(
+                record,
+                f"timestamp {timestamp_ms} is {age_ms} ms old, beyond the topic's retention.ms {self.retention_ms}: "
+                "Kafka would delete it within minutes; write with timestamps='producer' or raise the retention",
+                "TIMESTAMP_BEYOND_RETENTION",
+            )
+        return None
 
     def exceeds(self, record: ProducerRecord, size: int) -> DeadLetter:
         return self.too_large(record, f"record of about {size} bytes exceeds {self.max_bytes}")
 
     def too_large(self, record: ProducerRecord, why: str) -> DeadLetter:
+        return self._dead(record, f"too large for the broker: {why}", "MSG_SIZE_TOO_LARGE")
+
+    def _dead(self, record: ProducerRecord, reason: str, error: str) -> DeadLetter:
         return DeadLetter(
             record.value or b"",
             self.stage,
-            f"too large for the broker: {why}",
+            reason,
             key=record.key,
-            error="MSG_SIZE_TOO_LARGE",
+            error=error,
             attributes=(("record_id", record.identity()),),
         )
 
@@ -229,10 +294,26 @@ def build_producer_config(bootstrap: str, overrides: dict[str, Any]) -> dict[str
     return kafka_client_config({"bootstrap.servers": bootstrap, **DEFAULT_PRODUCER_CONFIG, **overrides, **_FIXED})
 
 
-def fetch_size_limit(bootstrap: str, topic: str, config: dict[str, Any], stage: str) -> SizeLimit:
-    """The smaller of the client's ``message.max.bytes`` and the topic's ``max.message.bytes``."""
-    client_limit = int(config.get("message.max.bytes", 1_000_000))
-    return SizeLimit(min(client_limit, topic_max_message_bytes(bootstrap, topic, config=config)), stage)
+def fetch_topic_limits(bootstrap: str, topic: str, config: dict[str, Any], stage: str) -> TopicLimits:
+    """The topic's limits (``TopicLimits``): the smaller of the client's ``message.max.bytes`` and the topic's
+    ``max.message.bytes``; its timestamp rules when the topic keeps the producer's timestamps (``CreateTime``)."""
+    settings = topic_config(bootstrap, topic, config=config)
+    limits = TopicLimits(
+        min(int(config.get("message.max.bytes", 1_000_000)), int(settings["max.message.bytes"])), stage
+    )
+    if settings.get("message.timestamp.type", "CreateTime") != "CreateTime":
+        return limits  # LogAppendTime: the broker stamps every record itself
+    for name, attribute in (
+        ("message.timestamp.before.max.ms", "before_max_ms"),
+        ("message.timestamp.after.max.ms", "after_max_ms"),
+    ):
+        value = int(settings.get(name) or _LONG_MAX)
+        if 0 <= value < _LONG_MAX:
+            setattr(limits, attribute, value)
+    retention = int(settings.get("retention.ms") or -1)
+    if retention >= 0 and "delete" in settings.get("cleanup.policy", "delete"):
+        limits.retention_ms = retention
+    return limits
 
 
 class AtLeastOnceWriter:
@@ -256,7 +337,7 @@ class AtLeastOnceWriter:
         check_producer_config(overrides, exactly_once=False)
         self.topic = topic
         config = build_producer_config(bootstrap, overrides)
-        self.limit = fetch_size_limit(bootstrap, topic, config, stage)
+        self.limit = fetch_topic_limits(bootstrap, topic, config, stage)
         self.flush_timeout_s = flush_timeout_s
         self.stats = WriterStats()
         self._errors: list[str] = []
@@ -270,11 +351,12 @@ class AtLeastOnceWriter:
             self.stats.written += 1
 
     def add(self, record: ProducerRecord, timestamp_ms: int | None = None) -> list[DeadLetter]:
-        """Produces ``record``, stamped ``timestamp_ms`` if given (else its own ``timestamp_ms``)."""
-        size = record_size(record)
-        if size > self.limit.max_bytes:
+        """Produces ``record``, stamped ``timestamp_ms`` if given (else its own ``timestamp_ms``); a record the topic
+        would refuse or lose (``TopicLimits``) comes back as a dead letter instead."""
+        refused = self.limit.refuse(record, timestamp_ms or record.timestamp_ms)
+        if refused is not None:
             self.stats.dead_letters += 1
-            return [self.limit.exceeds(record, size)]
+            return [refused]
         try:
             _produce(self._producer, self.topic, record, self._delivered, timestamp_ms)
         except _TooLarge as exc:
@@ -480,7 +562,7 @@ class ExactlyOnceShardWriter:
         producer_config: dict[str, Any] | None = None,
         timeout_s: float = 60.0,
         stage: str = "write_to_kafka",
-        size_limit: SizeLimit | None = None,
+        limits: TopicLimits | None = None,
         partitions: int | None = None,
     ) -> None:
         overrides = dict(producer_config or {})
@@ -501,7 +583,7 @@ class ExactlyOnceShardWriter:
         self.timeout_s = timeout_s
         self.config = {**build_producer_config(bootstrap, overrides), "transactional.id": self.transactional_id}
         self.config.setdefault("transaction.timeout.ms", 60_000)
-        self.limit = size_limit or fetch_size_limit(bootstrap, topic, self.config, stage)
+        self.limit = limits or fetch_topic_limits(bootstrap, topic, self.config, stage)
         self.stats = WriterStats()
         self._producer: Any = None
         self._marker_reader: Any = None

@@ -6,8 +6,9 @@ deliberately broken writers kept as tests, to show the count catches a missing l
 pending attempt trusted without its marker (loss). Zombies: a writer fenced by a newer one fails its write, its
 retry is not wedged, and a pending attempt is never decided by a writer that does not hold the newest epoch. The
 Beam transform on the local runner: a replayed pipeline writes nothing (bounded input, and Kafka to Kafka through the
-streaming path), records too large go to dead letters with their reason, a delivery failure fails the pipeline,
-at-least-once writes everything.
+streaming path), records too large go to dead letters with their reason, and so do records stamped where the topic
+would refuse them or delete them at once (``TopicLimits``), a delivery failure fails the pipeline, at-least-once
+writes everything.
 """
 
 from __future__ import annotations
@@ -454,6 +455,73 @@ def test_at_least_once_makes_records_in_the_writer_stamped_and_dead_letters_the_
     finally:
         consumer.close()
     assert stamps == {f"user-{i}".encode(): (1_700_000_000 + i) * 1000 for i in range(20)}
+
+
+def _stamps(bootstrap: str, topic: str, count: int) -> dict[bytes, int]:
+    """key -> record timestamp (ms) of the first ``count`` committed records of ``topic``."""
+    consumer = Consumer(
+        {"bootstrap.servers": bootstrap, "group.id": f"ts-{uuid.uuid4().hex[:6]}", "isolation.level": "read_committed"}
+    )
+    try:
+        consumer.assign([TopicPartition(topic, p, 0) for p in consumer.list_topics(topic).topics[topic].partitions])
+        stamps: dict[bytes, int] = {}
+        deadline = time.monotonic() + 30
+        while len(stamps) < count and time.monotonic() < deadline:
+            for message in consumer.consume(100, 0.5):
+                if message.error() is None:
+                    stamps[message.key()] = message.timestamp()[1]
+        return stamps
+    finally:
+        consumer.close()
+
+
+@pytest.mark.parametrize("mode", ["exactly-once", "at-least-once"])
+def test_timestamps_the_broker_refuses_or_retention_would_delete_are_dead_letters(
+    mode: str, kafka: ServiceState, postgres: ServiceState
+) -> None:
+    """A topic keeping one hour (``retention.ms``) on a broker refusing timestamps over an hour ahead (Kafka 4's
+    default ``message.timestamp.after.max.ms``). Event-time stamps: a record two hours in the future would make the
+    broker refuse its whole batch (before this check, every retry of the bundle failed: the pipeline failed); one two
+    hours old would be deleted within minutes. Both become dead letters with their reason; the recent ones are written
+    stamped with their event time. With ``timestamps="producer"`` all of them are written, stamped as produced."""
+    bootstrap = kafka.info["bootstrap"]
+    now_s = time.time()
+    ages_s = {"recent": 600, "old": 2 * 3600, "future": -2 * 3600}
+    elements = [(kind, i) for kind in ages_s for i in range(5)]
+    for timestamps in ("event-time", "producer"):
+        topic = f"stamps-{uuid.uuid4().hex[:8]}"
+        create_topic(bootstrap, topic, 2, {"retention.ms": "3600000"})
+        kwargs: dict[str, Any] = {"mode": mode, "timestamps": timestamps}
+        if mode == "exactly-once":
+            kwargs.update(sink_group=f"ts-{uuid.uuid4().hex[:6]}", ledger_dsn=postgres.info["dsn"], shards=2)
+        try:
+            with beam.Pipeline(options=local_options()) as p:
+                sink = (
+                    p
+                    | beam.Create(elements)
+                    | beam.Map(lambda e: TimestampedValue(e, now_s - ages_s[e[0]]))
+                    | WriteToKafka(
+                        bootstrap,
+                        topic,
+                        key_fn=lambda e: f"{e[0]}-{e[1]}".encode(),
+                        value_fn=lambda e: e[0],
+                        **kwargs,
+                    )
+                )
+                dead = sink.dead_letters | beam.Map(lambda d: (d.key[:3], d.error, "retention.ms" in d.reason))
+                expected = [(b"old", "TIMESTAMP_BEYOND_RETENTION", True)] * 5
+                expected += [(b"fut", "INVALID_TIMESTAMP", False)] * 5
+                assert_that(dead, equal_to(expected if timestamps == "event-time" else []))
+        finally:
+            close_shared_writers()
+        if timestamps == "event-time":
+            stamps = _stamps(bootstrap, topic, 5)
+            assert set(stamps) == {f"recent-{i}".encode() for i in range(5)}
+            assert all(abs(ms / 1000 - (now_s - 600)) < 1 for ms in stamps.values())
+        else:
+            stamps = _stamps(bootstrap, topic, 15)
+            assert set(stamps) == {f"{kind}-{i}".encode() for kind, i in elements}
+            assert all(now_s - 5 < ms / 1000 < time.time() + 5 for ms in stamps.values())  # stamped as produced
 
 
 @pytest.mark.parametrize("mode", ["exactly-once", "at-least-once"])

@@ -16,7 +16,7 @@ from apache_beam.utils.timestamp import MIN_TIMESTAMP
 from beamflow.kafka.producer import (
     DEFAULT_PRODUCER_CONFIG,
     ProducerRecord,
-    SizeLimit,
+    TopicLimits,
     build_producer_config,
     check_producer_config,
     ledger_key,
@@ -54,7 +54,7 @@ def test_shards_follow_the_key_and_stay_in_range() -> None:
 
 
 def test_size_limit_splits_off_records_too_large() -> None:
-    limit = SizeLimit(1000, "write_to_kafka")
+    limit = TopicLimits(1000, "write_to_kafka")
     small, big = ProducerRecord(b"x" * 100, b"k"), ProducerRecord(b"x" * 1000, b"k", record_id="big")
     assert record_size(small) < 1000 < record_size(big)
     fit, dead = limit.split([small, big])
@@ -62,6 +62,44 @@ def test_size_limit_splits_off_records_too_large() -> None:
     assert [(d.error, d.reason.startswith("too large for the broker"), dict(d.attributes)) for d in dead] == [
         ("MSG_SIZE_TOO_LARGE", True, {"record_id": "big"})
     ]
+
+
+def test_topic_limits_refuse_timestamps_the_broker_refuses_or_retention_would_delete() -> None:
+    now_ms = 1_800_000_000_000
+    limits = TopicLimits(
+        10_000, "write_to_kafka", before_max_ms=30 * 86_400_000, after_max_ms=3_600_000, retention_ms=86_400_000
+    )
+    limits.clock = lambda: now_ms / 1000
+
+    def verdict(age_ms: int | None) -> str | None:
+        stamp = None if age_ms is None else now_ms - age_ms
+        dead = limits.refuse(ProducerRecord(b"v", b"k", timestamp_ms=stamp), stamp)
+        return None if dead is None else dead.error
+
+    assert verdict(None) is None  # the producer stamps it: nothing to check
+    assert verdict(0) is None
+    assert verdict(-3_600_000) is None  # exactly the broker's limit ahead
+    assert verdict(-3_600_001) == "INVALID_TIMESTAMP"
+    assert verdict(86_400_000) is None  # exactly the retention: expires on schedule, like any record
+    assert verdict(86_400_001) == "TIMESTAMP_BEYOND_RETENTION"
+    assert verdict(30 * 86_400_000 + 1) == "INVALID_TIMESTAMP"  # the broker would refuse it before retention matters
+    fit, dead = limits.split(
+        [ProducerRecord(b"a", timestamp_ms=now_ms), ProducerRecord(b"b", timestamp_ms=now_ms + 7_200_000)]
+    )
+    assert [r.value for r in fit] == [b"a"]
+    assert [(d.payload, d.error, "after.max.ms" in d.reason) for d in dead] == [(b"b", "INVALID_TIMESTAMP", True)]
+    unlimited = TopicLimits(10_000, "write_to_kafka")  # LogAppendTime, or no limits: only the size counts
+    assert unlimited.refuse(ProducerRecord(b"v", timestamp_ms=1), 1) is None
+
+
+def test_producer_timestamps_leave_the_event_time_out() -> None:
+    make = _RecordMaker(None, lambda e: e, None, event_time=False)
+    assert make(b"x", 1_700_000_000_000_000)[1] is None  # the producer stamps it
+    own = _RecordMaker(None, None, None, event_time=False)
+    assert own(ProducerRecord(b"y", timestamp_ms=5), 1_700_000_000_000_000)[1] == 5  # the record's own stays
+    assert _RecordMaker(None, lambda e: e, None)(b"x", 1_700_000_000_000_000)[1] == 1_700_000_000_000
+    with pytest.raises(ValueError, match="timestamps must be one of"):
+        WriteToKafka("b:9092", "t", mode="at-least-once", timestamps="log-append")
 
 
 def test_seed_002_producer_defaults_are_overridable_but_the_guarantee_is_not() -> None:
