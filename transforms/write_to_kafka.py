@@ -387,8 +387,8 @@ class _IdempotentFn(SinkFn):
 class WriteToKafka(beam.PTransform):
     """Writes records to ``topic``; returns a ``SinkResult``: a report per written batch (``{"topic", "rows_written",
     ...}``) and the ``DeadLetter`` of every element refused (not encodable; too large for the broker: reason
-    ``too large for the broker: ...``, error ``MSG_SIZE_TOO_LARGE``; a timestamp the topic refuses or would delete at
-    once, below).
+    ``too large for the broker: ...``, error ``MSG_SIZE_TOO_LARGE``; a timestamp the topic refuses or would delete,
+    below).
 
     ::
 
@@ -471,8 +471,9 @@ class WriteToKafka(beam.PTransform):
     record the broker would refuse goes to ``dead_letters`` (error ``INVALID_TIMESTAMP``): stamped more than
     ``message.timestamp.after.max.ms`` ahead (one hour by default) or ``before.max.ms`` behind; the broker refuses the
     whole batch it travels in, so one such record would otherwise fail every retry of its bundle. So does a record
-    stamped longer ago than the topic's ``retention.ms`` (error ``TIMESTAMP_BEYOND_RETENTION``): Kafka would delete it
-    within minutes, so a backfill of old events must write with ``"producer"`` (or to a topic that keeps them).
+    stamped longer ago than the topic's ``retention.ms`` (error ``TIMESTAMP_BEYOND_RETENTION``): Kafka deletes it as
+    soon as its segment closes (at the next append when it is older than ``segment.ms`` too), so a backfill of old
+    events must write with ``"producer"`` (or to a topic that keeps them).
     Counters in the ``beamflow.kafka_sink`` metrics namespace: ``records_written``, ``replays_skipped``,
     ``dead_letters``.
     """

@@ -211,9 +211,10 @@ class TopicLimits:
       ``.before.max.ms``): the broker refuses the **whole batch** it travels in (``INVALID_TIMESTAMP``), so one such
       record would fail every retry of its bundle and stop the job.
     - With ``CreateTime`` and ``cleanup.policy`` ``delete``, a record stamped more than ``retention_ms`` ago: Kafka
-      keeps it only until its segment closes, and a segment whose first record is that old closes at once, so the
-      next retention check (``log.retention.check.interval.ms``, five minutes) deletes it. A backfill that writes
-      results stamped with old event times would lose them a few minutes later, silently.
+      deletes a closed segment whose newest timestamp is past the retention, so such a record lives only until its
+      segment closes, and a segment whose first record is older than ``segment.ms`` closes at the next append (the
+      deletion follows at the next retention check, ``log.retention.check.interval.ms``, five minutes). A backfill
+      that writes results stamped with old event times would lose them, silently.
 
     Records without a timestamp (the producer stamps them with the current time) only have their size checked.
     """
@@ -264,7 +265,7 @@ class TopicLimits:
             return self._dead(
                 record,
                 f"timestamp {timestamp_ms} is {age_ms} ms old, beyond the topic's retention.ms {self.retention_ms}: "
-                "Kafka would delete it within minutes; write with timestamps='producer' or raise the retention",
+                "Kafka deletes it once its segment closes; write with timestamps='producer' or raise the retention",
                 "TIMESTAMP_BEYOND_RETENTION",
             )
         return None

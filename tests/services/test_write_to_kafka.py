@@ -7,7 +7,7 @@ pending attempt trusted without its marker (loss). Zombies: a writer fenced by a
 retry is not wedged, and a pending attempt is never decided by a writer that does not hold the newest epoch. The
 Beam transform on the local runner: a replayed pipeline writes nothing (bounded input, and Kafka to Kafka through the
 streaming path), records too large go to dead letters with their reason, and so do records stamped where the topic
-would refuse them or delete them at once (``TopicLimits``), a delivery failure fails the pipeline, at-least-once
+would refuse them or delete them (``TopicLimits``), a delivery failure fails the pipeline, at-least-once
 writes everything.
 """
 
@@ -482,8 +482,9 @@ def test_timestamps_the_broker_refuses_or_retention_would_delete_are_dead_letter
     """A topic keeping one hour (``retention.ms``) on a broker refusing timestamps over an hour ahead (Kafka 4's
     default ``message.timestamp.after.max.ms``). Event-time stamps: a record two hours in the future would make the
     broker refuse its whole batch (before this check, every retry of the bundle failed: the pipeline failed); one two
-    hours old would be deleted within minutes. Both become dead letters with their reason; the recent ones are written
-    stamped with their event time. With ``timestamps="producer"`` all of them are written, stamped as produced."""
+    hours old would be deleted once its segment closed. Both become dead letters with their reason; the recent ones
+    are written stamped with their event time. With ``timestamps="producer"`` all of them are written, stamped as
+    produced."""
     bootstrap = kafka.info["bootstrap"]
     now_s = time.time()
     ages_s = {"recent": 600, "old": 2 * 3600, "future": -2 * 3600}
