@@ -5,6 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from beamflow.config import JobConfig
+    from beamflow.doctor import Finding
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -52,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
         findings += check_record_gaps(
             sample_record_gaps(args.kafka, topic, config=client), config.kafka.idle_timeout_ms
         )
+        if config.kafka_sink is not None:
+            findings += _sink_timestamps(args.kafka, config)
     findings = check_config(config, partitions) + findings
     pipeline = args.pipeline or _job_module(config.job.name)
     if pipeline:
@@ -85,6 +92,25 @@ def run(args: argparse.Namespace) -> int:
     else:
         format_findings(findings)
     return 1 if any(f.severity == "error" for f in findings) else 0
+
+
+def _sink_timestamps(bootstrap: str, config: JobConfig) -> list[Finding]:
+    """``check_sink_timestamps`` against the live sink topic and the job's unread backlog (no sink topic yet: none)."""
+    import time
+
+    from beamflow.doctor import check_sink_timestamps, oldest_unread_ms
+    from beamflow.kafka.producer import KafkaWriteError, topic_config
+
+    sink, kafka = config.kafka_sink, config.kafka
+    if sink is None or kafka is None:
+        return []
+    sink_bootstrap = bootstrap if sink.bootstrap in (None, "auto") else sink.bootstrap
+    try:
+        settings = topic_config(sink_bootstrap, sink.topic, config=sink.producer_config)
+    except KafkaWriteError:
+        return []  # the job or its demo creates it
+    oldest = oldest_unread_ms(bootstrap, kafka.topic, kafka.group_id, kafka.start, kafka.consumer_config)
+    return check_sink_timestamps(sink.topic, settings, sink.timestamps, oldest, int(time.time() * 1000))
 
 
 def _job_module(name: str) -> str:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from beamflow.config import apply_overrides, load_config
-from beamflow.doctor import check_config, check_record_gaps, check_unstable_names
+from beamflow.doctor import check_config, check_record_gaps, check_sink_timestamps, check_unstable_names
 
 pytestmark = pytest.mark.unit
 
@@ -147,3 +147,21 @@ def test_a_rocksdb_cluster_without_a_manifest_bound_is_flagged() -> None:
     bounded = {**rocksdb, "state.backend.rocksdb.options-factory": "beamflow.flink.BoundedManifestOptionsFactory"}
     assert check_flink_state_config(bounded, 10_000) == []
     assert check_flink_state_config({"state.backend.type": "hashmap"}, 10_000) == []
+
+
+def test_sink_timestamps_beyond_the_sink_topics_retention_are_flagged() -> None:
+    hour = 3_600_000
+    now = 1_800_000_000_000
+    keeps_a_day = {"message.timestamp.type": "CreateTime", "retention.ms": str(24 * hour), "cleanup.policy": "delete"}
+
+    def codes(settings: dict[str, str], timestamps: str, backlog_age: int | None) -> list[str]:
+        oldest = None if backlog_age is None else now - backlog_age
+        return [f.code for f in check_sink_timestamps("out", settings, timestamps, oldest, now)]
+
+    assert codes(keeps_a_day, "event-time", 48 * hour) == ["sink-timestamps-beyond-retention"]
+    assert codes(keeps_a_day, "event-time", 2 * hour) == []  # the backlog is younger than the retention
+    assert codes(keeps_a_day, "event-time", None) == []  # nothing left to read
+    assert codes(keeps_a_day, "producer", 48 * hour) == []  # stamped when written
+    assert codes({**keeps_a_day, "retention.ms": "-1"}, "event-time", 48 * hour) == []
+    assert codes({**keeps_a_day, "cleanup.policy": "compact"}, "event-time", 48 * hour) == []
+    assert codes({**keeps_a_day, "message.timestamp.type": "LogAppendTime"}, "event-time", 48 * hour) == []
