@@ -594,12 +594,13 @@ def check_sink_timestamps(
     """``settings``: the sink topic's configuration; ``oldest_unread``: the Kafka timestamp (ms) of the oldest record
     the job has yet to read (``oldest_unread_ms``). Warns when the results of that backlog, stamped with their event
     times, are older than the sink topic keeps: ``WriteToKafka`` dead-letters them (Kafka would delete them)."""
+    from beamflow.kafka.producer import topic_limits
+
     if timestamps != "event-time" or oldest_unread is None:
         return []
-    if settings.get("message.timestamp.type", "CreateTime") != "CreateTime":
-        return []
-    retention = int(settings.get("retention.ms") or -1)
-    if retention < 0 or "delete" not in settings.get("cleanup.policy", "delete"):
+    # The sink's own reading of the topic's rules, so doctor warns of exactly what WriteToKafka will refuse.
+    retention = topic_limits(settings, {}, "doctor").retention_ms
+    if retention is None:
         return []
     age = now_ms - oldest_unread
     if age <= retention:

@@ -56,7 +56,7 @@ import json
 import logging
 import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -80,6 +80,8 @@ __all__ = [
     "ledger_key",
     "record_size",
     "shard_of",
+    "topic_config",
+    "topic_limits",
     "topic_partition_count",
 ]
 
@@ -178,13 +180,6 @@ def topic_config(
             raise KafkaWriteError(f"topic {topic}: cannot read its configuration ({exc})") from exc
         return {name: entry.value for name, entry in entries.items()}
     raise KafkaWriteError(f"no configuration for topic {topic}")
-
-
-def topic_max_message_bytes(
-    bootstrap: str, topic: str, timeout_s: float = 30.0, config: dict[str, Any] | None = None
-) -> int:
-    """The topic's ``max.message.bytes`` (the broker's limit for a record batch); raises for a missing topic."""
-    return int(topic_config(bootstrap, topic, timeout_s, config)["max.message.bytes"])
 
 
 @dataclass
@@ -296,9 +291,14 @@ def build_producer_config(bootstrap: str, overrides: dict[str, Any]) -> dict[str
 
 
 def fetch_topic_limits(bootstrap: str, topic: str, config: dict[str, Any], stage: str) -> TopicLimits:
-    """The topic's limits (``TopicLimits``): the smaller of the client's ``message.max.bytes`` and the topic's
-    ``max.message.bytes``; its timestamp rules when the topic keeps the producer's timestamps (``CreateTime``)."""
-    settings = topic_config(bootstrap, topic, config=config)
+    """The topic's limits, read from the broker (``topic_limits``)."""
+    return topic_limits(topic_config(bootstrap, topic, config=config), config, stage)
+
+
+def topic_limits(settings: Mapping[str, str], config: Mapping[str, Any], stage: str) -> TopicLimits:
+    """``TopicLimits`` of a topic's configuration (``topic_config``): the smaller of the client's ``message.max.bytes``
+    and the topic's ``max.message.bytes``; its timestamp rules when the topic keeps the producer's timestamps
+    (``CreateTime``)."""
     limits = TopicLimits(
         min(int(config.get("message.max.bytes", 1_000_000)), int(settings["max.message.bytes"])), stage
     )

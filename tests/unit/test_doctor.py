@@ -152,7 +152,12 @@ def test_a_rocksdb_cluster_without_a_manifest_bound_is_flagged() -> None:
 def test_sink_timestamps_beyond_the_sink_topics_retention_are_flagged() -> None:
     hour = 3_600_000
     now = 1_800_000_000_000
-    keeps_a_day = {"message.timestamp.type": "CreateTime", "retention.ms": str(24 * hour), "cleanup.policy": "delete"}
+    keeps_a_day = {
+        "max.message.bytes": "1048588",  # as the broker describes every topic
+        "message.timestamp.type": "CreateTime",
+        "retention.ms": str(24 * hour),
+        "cleanup.policy": "delete",
+    }
 
     def codes(settings: dict[str, str], timestamps: str, backlog_age: int | None) -> list[str]:
         oldest = None if backlog_age is None else now - backlog_age
