@@ -92,9 +92,19 @@ class KafkaConfig:
     # goes on from there, until the end offsets seen when the command started: its memory stays that of one such
     # run whatever the backlog (FnApiRunner keeps each stage's output until the next stage ran). None: one run.
     run_records_per_partition: int | None = None
+    # A bounded run on the local runner splits the topic's partitions over this many processes, each a local run of
+    # its own partitions (FnApiRunner runs on one core, and more than one of its workers drops a splittable read's
+    # residuals). The sinks, the dedup's first copies and the sessions take concurrent writers.
+    local_processes: int = 1
+    local_process_records: int = 50_000  # ... one process per this many records of backlog, up to local_processes
+    # Read only these partitions (None: all); a local run split over processes sets it for each of them.
+    only_partitions: tuple[int, ...] | None = None
     consumer_config: dict[str, Any] = field(default_factory=dict)  # passed to the consumer (ReadFromKafka)
 
     def __post_init__(self) -> None:
+        for key in ("local_processes", "local_process_records"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"kafka.{key} must be at least 1, not {getattr(self, key)}")
         if self.run_records_per_partition is not None and self.run_records_per_partition < 1:
             raise ConfigError(
                 f"kafka.run_records_per_partition must be at least 1 (or null), not {self.run_records_per_partition}"

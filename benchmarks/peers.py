@@ -19,8 +19,8 @@ Throughput (interleaved rounds; each round runs every variant once on the same t
   shape (parallelism 2 over two TaskManagers, Python workers beside them, detached submission; ``FlinkRun``).
 
 Each run is its own subprocess; wall seconds from the parent, CPU seconds (user+sys) from ``wait4``'s rusage of that
-child, peak RSS from the child's own ``VmHWM`` (``benchmarks/memory.py``: ``wait4``'s ``ru_maxrss`` is at least the
-parent's RSS), so every variant is measured the same way. ``beamflow-flink`` cannot be one child: its work
+child, peak RSS from the child's own ``VmHWM`` (``beamflow/process_memory.py``: ``wait4``'s ``ru_maxrss`` is at least
+the parent's RSS), so every variant is measured the same way. ``beamflow-flink`` cannot be one child: its work
 runs in the cluster's processes, so its CPU seconds are theirs (TaskManagers with their Python workers, JobManager,
 job server) plus the submitter's, from its submission until the group's committed offsets reach the topic's end,
 and its peak memory is the largest sum of their RSS, sampled every 0.5 s (the JVMs' heaps included). Every run is
@@ -141,12 +141,24 @@ class Run:
         self.proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=self._out, stderr=subprocess.STDOUT)
 
     def cpu_s(self) -> float:
-        """The child's user + sys CPU seconds so far (/proc), 0 once it is gone."""
-        try:
-            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
+        """The child's user + sys CPU seconds so far (/proc), with its descendants' (a local run split over processes,
+        live ones and the ones it waited for); 0 once it is gone."""
+        stats: dict[int, list[str]] = {}
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    stats[int(entry.name)] = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+        if self.proc.pid not in stats:
             return 0.0
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        ticks, tree = 0, [self.proc.pid]
+        while tree:
+            pid = tree.pop()
+            fields = stats[pid]
+            ticks += sum(int(f) for f in fields[11:15])  # utime, stime, and of the children it waited for
+            tree.extend(child for child, f in stats.items() if int(f[1]) == pid)
+        return ticks / os.sysconf("SC_CLK_TCK")
 
     def wait_cpu(self, cpu_s: float, timeout: float) -> float:
         """Returns once the child has used ``cpu_s`` CPU seconds (or after ``timeout``); its CPU seconds then."""
@@ -192,8 +204,8 @@ class Run:
             "returncode": self.proc.returncode,
             "seconds": seconds,
             "cpu_s": usage.ru_utime + usage.ru_stime,
-            # The child's own figure: wait4's ru_maxrss is at least this parent's RSS (benchmarks/memory.py). A child
-            # killed before it reported has none.
+            # The child's own figure: wait4's ru_maxrss is at least this parent's RSS (beamflow/process_memory.py).
+            # A child killed before it reported has none.
             "peak_rss_mb": float(child.get("peak_rss_mb", "nan")),
             "child": child,
             "tail": "" if self.proc.returncode == 0 else text[-2500:],
@@ -233,7 +245,7 @@ class FlinkRun:
         return found
 
     def _sample_memory(self) -> None:
-        from benchmarks.memory import proc_rss_mb
+        from beamflow.process_memory import proc_rss_mb
 
         while not self._stop.wait(0.5):
             self.peak_mb = max(self.peak_mb, sum(proc_rss_mb(p) or 0.0 for p in self._cluster_pids()))

@@ -36,7 +36,7 @@ SERIES = ("taskmanager_rss_mb", "python_workers_rss_mb", "checkpoint_state_mb", 
 
 def rss_mb(pid: int) -> float:
     """Resident memory of one process in MB (0 when it is gone)."""
-    from benchmarks.memory import proc_rss_mb
+    from beamflow.process_memory import proc_rss_mb
 
     return proc_rss_mb(pid) or 0.0
 

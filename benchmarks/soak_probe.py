@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.memory import proc_rss_mb
+from beamflow.process_memory import proc_rss_mb
 from transforms import write_to_iceberg
 
 __all__ = ["PROBE_EVERY_S", "ProbedIcebergCommitFn", "main"]

@@ -18,7 +18,7 @@ from typing import Any
 
 import apache_beam as beam
 from apache_beam.metrics.metric import MetricResults, MetricsFilter
-from apache_beam.runners.runner import PipelineResult
+from apache_beam.runners.runner import PipelineResult, PipelineState
 
 from beamflow.config import (
     ConfigError,
@@ -31,12 +31,16 @@ from beamflow.config import (
 )
 from beamflow.kafka.admin import committed_offsets, end_offsets
 from beamflow.postgres.table import TableSpec
+from beamflow.process_memory import own_peak_rss_mb
+from runners.local_processes import partition_groups, processes_for, run_in_processes
 from transforms.deduplicate import FirstCopyTable, QuarantinedEvent
 from transforms.read_from_kafka import ReadFromKafka, StartPolicy, StopPolicy
 from transforms.write_dead_letters import WriteDeadLetters
 
 __all__ = [
     "JobRunner",
+    "PartOutcome",
+    "ProcessesResult",
     "RunsResult",
     "dead_letter_sink",
     "epoch_ms_event",
@@ -113,6 +117,7 @@ def read_records(p: beam.Pipeline, config: JobConfig, label: str) -> beam.PColle
         max_bundle_records=kafka.max_bundle_records,
         consumer_config=dict(kafka.consumer_config) or None,
         commit_offsets=not kafka.bounded,
+        partitions=kafka.only_partitions,
     )
 
 
@@ -179,6 +184,63 @@ class _AllRunsMetrics(MetricResults):
             for kind, found in run.query(filter).items():
                 merged.setdefault(kind, []).extend(found)
         return merged
+
+
+@dataclass(frozen=True)
+class PartOutcome:
+    """What one process of a split local run hands back: its final state, every metric its runs reported (unfiltered:
+    the launcher filters), and its own peak resident memory."""
+
+    state: str
+    metrics: dict[str, list[Any]]
+    peak_rss_mb: float
+
+
+class ProcessesResult(PipelineResult):
+    """A bounded local run split over processes (``kafka.local_processes``), as one result: done when every process
+    was, and the metrics of all of them (summing a counter's results counts the whole job)."""
+
+    def __init__(self, outcomes: Sequence[PartOutcome]) -> None:
+        states = {o.state for o in outcomes}
+        super().__init__(states.pop() if len(states) == 1 else PipelineState.UNKNOWN)
+        self.outcomes = list(outcomes)
+
+    def wait_until_finish(self, duration: int | None = None) -> Any:
+        return self.state
+
+    def metrics(self) -> MetricResults:
+        return _StoredMetrics([o.metrics for o in self.outcomes])
+
+
+class _StoredMetrics(MetricResults):
+    def __init__(self, runs: Sequence[dict[str, list[Any]]]) -> None:
+        self._runs = runs
+
+    def query(self, filter: MetricsFilter | None = None) -> dict[str, list[Any]]:
+        merged: dict[str, list[Any]] = {}
+        for run in self._runs:
+            for kind, found in run.items():
+                merged.setdefault(kind, []).extend(r for r in found if self.matches(filter, r.key))
+        return merged
+
+
+@dataclass(frozen=True)
+class _Part:
+    """One process's share of a split local run (pickled into a spawned process)."""
+
+    job_runner: JobRunner
+    job: JobConfig
+    runner: str
+    beam_args: tuple[str, ...]
+
+    def describe(self) -> str:
+        kafka = required(self.job.kafka, "kafka")
+        return f"partitions {list(kafka.only_partitions or ())} of {kafka.topic}"
+
+
+def _run_part(part: _Part) -> PartOutcome:
+    result = part.job_runner.run_with_config(part.job, part.runner, part.beam_args)
+    return PartOutcome(str(result.state), result.metrics().query(), own_peak_rss_mb())
 
 
 @dataclass(frozen=True)
@@ -276,7 +338,10 @@ class JobRunner:
                 check_reachable(flink)
             except SubmissionError as exc:
                 raise SystemExit(f"beamflow: {exc}") from None
-        if runner != "FlinkRunner" and job.kafka and job.kafka.bounded and job.kafka.run_records_per_partition:
+        local_bounded = runner != "FlinkRunner" and job.kafka is not None and job.kafka.bounded
+        if local_bounded and job.kafka and job.kafka.local_processes > 1 and job.kafka.only_partitions is None:
+            return self._run_in_processes(job, runner, beam_args)
+        if local_bounded and job.kafka and job.kafka.run_records_per_partition:
             return self._run_in_pieces(job, runner, beam_args)
         p = beam.Pipeline(options=self.pipeline_options(runner, beam_args, job))
         self.build(p, job)
@@ -309,16 +374,21 @@ class JobRunner:
         kafka = required(job.kafka, "kafka")
         per_run = kafka.run_records_per_partition
         settings = kafka.consumer_config
-        goal = end_offsets(kafka.bootstrap, kafka.topic, settings)
+        mine = kafka.only_partitions
+
+        def own(offsets: dict[int, Any]) -> dict[int, Any]:  # another process of a split run reads the others
+            return offsets if mine is None else {p: o for p, o in offsets.items() if p in mine}
+
+        goal = own(end_offsets(kafka.bootstrap, kafka.topic, settings))
         results: list[PipelineResult] = []
-        position = committed_offsets(kafka.bootstrap, kafka.topic, kafka.group_id, settings)
+        position = own(committed_offsets(kafka.bootstrap, kafka.topic, kafka.group_id, settings))
         while True:
             p = beam.Pipeline(options=self.pipeline_options(runner, beam_args, job))
             self.build(p, job)
             result = p.run()
             result.wait_until_finish()
             results.append(result)
-            before, position = position, committed_offsets(kafka.bootstrap, kafka.topic, kafka.group_id, settings)
+            before, position = position, own(committed_offsets(kafka.bootstrap, kafka.topic, kafka.group_id, settings))
             left = sum(max(end - (position.get(part) or 0), 0) for part, end in goal.items())
             if not left:
                 break
@@ -341,6 +411,36 @@ class JobRunner:
                 left,
             )
         return RunsResult(results)
+
+    @staticmethod
+    def _one_process(job: JobConfig) -> JobConfig:
+        kafka = required(job.kafka, "kafka")
+        return dataclasses.replace(job, kafka=dataclasses.replace(kafka, local_processes=1))
+
+    def _run_in_processes(self, job: JobConfig, runner: str, beam_args: Sequence[str]) -> PipelineResult:
+        """The bounded local run split over ``kafka.local_processes`` spawned processes, each running this job (in
+        pieces, if so configured) over its own partitions of the topic, dealt round robin
+        (``runners.local_processes``). Returns once all have ended, with every process's metrics."""
+        kafka = required(job.kafka, "kafka")
+        ends = end_offsets(kafka.bootstrap, kafka.topic, kafka.consumer_config)
+        committed = committed_offsets(kafka.bootstrap, kafka.topic, kafka.group_id, kafka.consumer_config)
+        # At most (offsets below the low watermark or holding transaction markers are counted too): a heuristic.
+        backlog = sum(max(end - (committed.get(p) or 0), 0) for p, end in ends.items())
+        processes = processes_for(backlog, kafka.local_processes, kafka.local_process_records)
+        if processes == 1:
+            return self.run_with_config(self._one_process(job), runner, beam_args)
+        groups = partition_groups(list(ends), processes)
+        parts = [
+            _Part(
+                self,
+                dataclasses.replace(job, kafka=dataclasses.replace(kafka, only_partitions=g)),
+                runner,
+                tuple(beam_args),
+            )
+            for g in groups
+        ]
+        self.log.info("%s: a local run in %d processes, partitions %s", kafka.topic, len(parts), groups)
+        return ProcessesResult(run_in_processes(_run_part, parts, describe=_Part.describe))
 
     def run(self, argv: Sequence[str]) -> PipelineResult:
         args, beam_args = self.parse_args(list(argv))

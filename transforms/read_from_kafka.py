@@ -120,6 +120,7 @@ class _ReaderConfig:
     max_bundle_seconds: float
     commit_offsets: bool
     finalize_round_gap_s: float = DEFAULT_ROUND_GAP_S
+    partitions: frozenset[int] | None = None  # None: every partition of the topics
 
     def consumer(self) -> KafkaConsumerClient:
         return open_consumer(self.backend, self.bootstrap, self.group_id, dict(self.consumer_config))
@@ -535,9 +536,14 @@ class _WatchPartitionsFn(beam.DoFn, RestrictionProvider):
             self._client = self._config.consumer()
         existing = set(self._client.partitions(topic))
         position = tracker.current_restriction().start
+        wanted = self._config.partitions
         while position in existing:
             if not tracker.try_claim(position):
                 return
+            if wanted is not None and position not in wanted:
+                # Claimed all the same: another read (another process of a local run) owns this partition.
+                position += 1
+                continue
             # Stamped with the wall clock, as the watcher's watermark is: a descriptor is never late, and the
             # watcher (which may wait forever for new partitions) never holds event time back.
             spread = self._spread
@@ -585,6 +591,8 @@ class ReadFromKafka(beam.PTransform):
             streaming read commits one finalization round late.
         finalize_round_gap_s: a pause between finalizer calls longer than this starts a new round (streaming);
             keep it below the minimum pause between checkpoints.
+        partitions: read only these partition numbers of each topic (None: all). A local run split over processes
+            gives each process its own partitions; the group's offsets of the others are left to their readers.
     """
 
     def __init__(
@@ -605,6 +613,7 @@ class ReadFromKafka(beam.PTransform):
         max_bundle_seconds: float = 1.0,
         partition_poll_interval_s: float = 5.0,
         finalize_round_gap_s: float = DEFAULT_ROUND_GAP_S,
+        partitions: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
         if not topics:
@@ -626,6 +635,7 @@ class ReadFromKafka(beam.PTransform):
             max_bundle_seconds=max_bundle_seconds,
             commit_offsets=commit_offsets,
             finalize_round_gap_s=finalize_round_gap_s,
+            partitions=None if partitions is None else frozenset(partitions),
         )
         self._event_time_fn = event_time_fn
         self._partition_poll_interval_s = partition_poll_interval_s

@@ -27,6 +27,8 @@ def _variant_config(base: dict[str, Any], variant: str, run_id: str) -> dict[str
         config["postgres"][key] = f"{base['postgres'][key]}_{tag}"
     config["iceberg"]["table"] = f"bench.impressions_{tag}"
     config["iceberg"]["sink_id"] = f"e2e-{tag}"
+    if variant == "beamflow-1p":  # the local job in one process, whatever the conf's kafka.local_processes
+        config["kafka"]["local_processes"] = 1
     if variant == "flink":
         config["flink"] = {**config["flink"], "job_name": f"e2e-{tag}"}
     else:

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.memory import proc_rss_mb
+from beamflow.process_memory import proc_rss_mb
 
 
 class LagSampler(threading.Thread):

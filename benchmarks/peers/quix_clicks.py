@@ -73,7 +73,7 @@ def _load(path: str, name: str) -> Any:
 
 
 event_id_from_fields = _load("beamflow/event_id.py", "event_id_from_fields")
-own_peak_rss_mb = _load("benchmarks/memory.py", "own_peak_rss_mb")
+own_peak_rss_mb = _load("beamflow/process_memory.py", "own_peak_rss_mb")
 
 IMPRESSION_SCHEMA = pa.schema(
     [
@@ -353,7 +353,7 @@ def main(config_path: str) -> int:
         "dead_letters_direct": progress["dead_letters_direct"],
         "unfinished_partitions": sorted(progress["pending"]),
         "cpu_s": usage.ru_utime + usage.ru_stime,
-        "peak_rss_mb": own_peak_rss_mb(),  # not ru_maxrss: it carries the parent's (benchmarks/memory.py)
+        "peak_rss_mb": own_peak_rss_mb(),  # not ru_maxrss: it carries the parent's (beamflow/process_memory.py)
     }
     print("RESULT " + json.dumps(out), flush=True)
     return 0

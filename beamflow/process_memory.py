@@ -1,4 +1,5 @@
-"""Process memory from ``/proc``, one reader for every benchmark (no dependencies: the Quix job loads it too).
+"""Process memory from ``/proc``, one reader for the benchmarks and a local run split over processes (no dependencies:
+the benchmarks' Quix job loads it by path too).
 
 Why a child reports its own peak (``own_peak_rss_mb``) rather than ``getrusage(...).ru_maxrss``: Linux carries the
 largest RSS across ``execve``, and Python starts children with ``vfork``, so a child's ``ru_maxrss`` (and ``wait4``'s

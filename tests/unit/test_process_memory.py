@@ -11,7 +11,7 @@ import pytest
 pytestmark = pytest.mark.unit
 
 CHILD = (
-    "import resource, sys; sys.path.insert(0, sys.argv[1]); from benchmarks.memory import own_peak_rss_mb; "
+    "import resource, sys; sys.path.insert(0, sys.argv[1]); from beamflow.process_memory import own_peak_rss_mb; "
     "print(own_peak_rss_mb(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)"
 )
 
