@@ -8,6 +8,7 @@ config; live checks (optional) read Kafka (partition counts, the normal gap betw
 from __future__ import annotations
 
 import itertools
+import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -423,6 +424,36 @@ def consumer_fetch_spins(job: Job) -> Finding | None:
         "seconds in 8 idle seconds (both cores), and the local clicks job 78 CPU s instead of 59 for the same work",
         "drop it (beamflow's default is 5 ms: reads as fast, benchmarks/kafka_read.py; the queue bounds are "
         "queued.min.messages and queued.max.messages.kbytes)",
+    )
+
+
+@rule
+def local_processes_beyond_cores(job: Job) -> Finding | None:
+    kafka, cores = job.config.kafka, os.cpu_count() or 1
+    if kafka is None or kafka.local_processes <= cores:
+        return None
+    return Finding(
+        "local-processes-beyond-cores",
+        "warning",
+        f"kafka.local_processes is {kafka.local_processes} on a machine with {cores} cores",
+        "each process of a split local run runs the whole job on its own partitions and pays its own start (about "
+        "2.6 CPU seconds) and working set; beyond one per core they only queue for the cores",
+        f"set kafka.local_processes to at most {cores}",
+    )
+
+
+@rule
+def split_run_with_runner_state_dedup(job: Job) -> Finding | None:
+    kafka, dedup = job.config.kafka, job.config.dedup
+    if kafka is None or kafka.local_processes < 2 or dedup is None or dedup.strategy not in ("state", "grouped"):
+        return None
+    return Finding(
+        "split-run-with-runner-state-dedup",
+        "warning",
+        f"kafka.local_processes {kafka.local_processes} with dedup.strategy {dedup.strategy}",
+        "that strategy keeps the first copies in one process's runner state, where a process of a split local run "
+        "cannot see another's; so the local run stays in one process",
+        "use dedup.strategy auto (the first copies in PostgreSQL, shared by every process), or local_processes 1",
     )
 
 

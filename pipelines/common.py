@@ -422,6 +422,13 @@ class JobRunner:
         pieces, if so configured) over its own partitions of the topic, dealt round robin
         (``runners.local_processes``). Returns once all have ended, with every process's metrics."""
         kafka = required(job.kafka, "kafka")
+        if job.dedup is not None and job.dedup.strategy in ("state", "grouped"):
+            # Those first copies live in one process's runner state: another process could not see them.
+            self.log.warning(
+                "dedup.strategy %s keeps first copies in one process: the local run stays in one process",
+                job.dedup.strategy,
+            )
+            return self.run_with_config(self._one_process(job), runner, beam_args)
         ends = end_offsets(kafka.bootstrap, kafka.topic, kafka.consumer_config)
         committed = committed_offsets(kafka.bootstrap, kafka.topic, kafka.group_id, kafka.consumer_config)
         # At most (offsets below the low watermark or holding transaction markers are counted too): a heuristic.

@@ -60,6 +60,12 @@ CASES: dict[str, tuple[list[str], list[str], str]] = {
         ["kafka.consumer_config={fetch.queue.backoff.ms: 5}"],
         "warning",
     ),
+    "local-processes-beyond-cores": (["kafka.local_processes=4096"], ["kafka.local_processes=1"], "warning"),
+    "split-run-with-runner-state-dedup": (
+        ["dedup.strategy=grouped"],
+        ["dedup.strategy=grouped", "kafka.local_processes=1"],
+        "warning",
+    ),
     "idleness-off": (["kafka.idle_timeout_ms=null"], [], "warning"),
     "no-stable-sink-id": (["iceberg.sink_id=null"], [], "error"),
     "unstable-sink-id": (["iceberg.sink_id=clicks-run-20261129"], [], "error"),
