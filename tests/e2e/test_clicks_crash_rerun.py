@@ -89,6 +89,34 @@ def _committed(bootstrap: str, group: str, topic: str, partitions: int) -> dict[
         client.close()
 
 
+def _children(pid: int) -> list[int]:
+    """The processes ``pid`` started (a split run's), from ``/proc``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            if ppid == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def _wait_gone(pids: list[int]) -> None:
+    deadline = time.monotonic() + 30
+    while any(Path(f"/proc/{p}").exists() and "Z" not in _state(p) for p in pids):
+        assert time.monotonic() < deadline, f"the run's processes {pids} outlived the killed command"
+        time.sleep(0.1)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
+
+
 def _sessions(dsn: str, table: str) -> list[tuple[object, ...]]:
     with psycopg.connect(dsn) as conn:
         return conn.execute(
@@ -96,10 +124,20 @@ def _sessions(dsn: str, table: str) -> list[tuple[object, ...]]:
         ).fetchall()
 
 
+@pytest.mark.parametrize("processes", [1, 2], ids=["one-process", "split-in-two"])
 def test_a_kill_between_the_sinks_and_the_commit_reruns_exactly(
-    kafka: ServiceState, postgres: ServiceState, registry: ServiceState, service_set: ServiceSet, tmp_path: Path
+    kafka: ServiceState,
+    postgres: ServiceState,
+    registry: ServiceState,
+    service_set: ServiceSet,
+    tmp_path: Path,
+    processes: int,
 ) -> None:
+    """``split-in-two``: the job and its rerun split over two processes (``kafka.local_processes``), each stopped at
+    its own commit; the kill of the command kills both (they die with it), and the rerun's processes write exactly
+    once what both left."""
     run = uuid.uuid4().hex[:6]
+    split = [f"kafka.local_processes={processes}", "kafka.local_process_records=1"]
     base = resolve_auto(load_config(CONF, ["flink=null"]), service_set)  # the local runner's job: no Flink
     config = resolve_auto(load_config(CONF, [*_overrides(run, "", base), "flink=null"]), service_set)
     bootstrap, topic, dsn = config["kafka"]["bootstrap"], config["kafka"]["topic"], config["postgres"]["dsn"]
@@ -112,7 +150,7 @@ def test_a_kill_between_the_sinks_and_the_commit_reruns_exactly(
     (tmp_path / "sitecustomize.py").write_text(SITECUSTOMIZE)
     barrier = tmp_path / "commit-barrier"
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}", "BEAMFLOW_TEST_COMMIT_BARRIER": str(barrier)}
-    job = _job(_overrides(run, "", base), env)
+    job = _job([*_overrides(run, "", base), *split], env)
     reached = Path(str(barrier) + ".reached")
     try:
         deadline = time.monotonic() + 300
@@ -123,8 +161,11 @@ def test_a_kill_between_the_sinks_and_the_commit_reruns_exactly(
         # Every sink finished (the commit step runs only then) and the group has no offsets yet: kill it here.
         assert len(stored_sessions(config)) > 0
         assert _committed(bootstrap, config["kafka"]["group_id"], topic, 4) == dict.fromkeys(range(4))
+        parts = _children(job.pid)
+        assert len(parts) >= 2 if processes == 2 else not parts  # two processes (and the spawner's tracker)
         job.send_signal(signal.SIGKILL)
         job.wait(30)
+        _wait_gone(parts)
     finally:
         if job.poll() is None:
             job.kill()
@@ -135,7 +176,7 @@ def test_a_kill_between_the_sinks_and_the_commit_reruns_exactly(
     # More traffic, continuing the first batch's event time; the rerun reads the first batch again and the second.
     second = generate_traffic(continuing(TrafficSpec(events=1500, users=150, seed=21), first), encoder)
     produce_traffic(bootstrap, topic, second)
-    rerun = _job(_overrides(run, "", base), {**os.environ, "PYTHONPATH": str(ROOT)})
+    rerun = _job([*_overrides(run, "", base), *split], {**os.environ, "PYTHONPATH": str(ROOT)})
     assert rerun.wait(600) == 0, (rerun.stderr.read() if rerun.stderr else b"").decode()[-3000:]
 
     assert _committed(bootstrap, config["kafka"]["group_id"], topic, 4) == end_offsets(bootstrap, topic)
