@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import uuid
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
 from apache_beam.metrics.metric import MetricsFilter
+from apache_beam.runners.runner import PipelineResult
 from psycopg import sql
 
 import pipelines.clicks as clicks
@@ -83,49 +85,56 @@ def test_every_record_is_accounted_for_exactly_once(
 
     # And in pieces (kafka.run_records_per_partition: the local runner's bound on its memory): runs of at most 300
     # records per partition, one after the other on fresh tables, write what the one run wrote.
-    pieces = tuple(o.replace("_once", "_pieces").replace("-once", "-pieces") for o in fresh)
-    config = load_config(CONF, (*pieces, "kafka.run_records_per_partition=300"))
-    config.pop("flink", None)
-    config = resolve_auto(config, service_set)
-    result = clicks.run_with_config(config)
+    once = audit_job(resolve_auto(_without_flink(load_config(CONF, fresh)), service_set))
+    result, config = _run_variant(fresh, "pieces", ["kafka.run_records_per_partition=300"], service_set)
     assert isinstance(result, RunsResult)
     assert len(result.results) == -(-max(ends.values()) // 300)  # the largest partition's records, 300 a run
-    counters = result.metrics().query(MetricsFilter().with_name("records_read"))["counters"]
-    assert sum(c.committed or 0 for c in counters) == summary.produced  # every run's metrics, each record once
-    client = open_consumer("confluent", kafka.info["bootstrap"], f"clicks-{run}-pieces")
-    try:
-        assert {p: client.committed(TopicPartition(topic, p)) for p in ends} == ends
-    finally:
-        client.close()
-    assert audit_job(config) == audit_job(resolve_auto(_without_flink(load_config(CONF, fresh)), service_set))
-    dsn = postgres.info["dsn"]
-    assert _sessions(dsn, f"sessions_{run}_pieces") == _sessions(dsn, f"sessions_{run}_once")
+    _assert_as_once(result, config, summary.produced, ends, once, postgres.info["dsn"], run, "pieces")
 
     # And split over two processes (kafka.local_processes), each reading its own partitions in pieces of 300 records,
     # both writing the same tables at once: the same rows again. A process that read a partition it does not own
     # would send its records a second time through the dedup (quarantined twice, an audit that differs).
-    split = tuple(o.replace("_once", "_split").replace("-once", "-split") for o in fresh)
-    config = load_config(
-        CONF,
-        (*split, "kafka.run_records_per_partition=300", "kafka.local_processes=2", "kafka.local_process_records=1"),
-    )
-    config.pop("flink", None)
-    config = resolve_auto(config, service_set)
-    result = clicks.run_with_config(config)
+    split = ["kafka.run_records_per_partition=300", "kafka.local_processes=2", "kafka.local_process_records=1"]
+    result, config = _run_variant(fresh, "split", split, service_set)
     assert isinstance(result, ProcessesResult)
     assert [o.state for o in result.outcomes] == ["DONE", "DONE"]
+    _assert_as_once(result, config, summary.produced, ends, once, postgres.info["dsn"], run, "split")
+
+
+def _run_variant(
+    fresh: tuple[str, ...], name: str, extra: list[str], service_set: ServiceSet
+) -> tuple[PipelineResult, dict[str, Any]]:
+    """The job over the same topic on fresh tables and group (``fresh`` with ``_once`` renamed ``_<name>``)."""
+    overrides = tuple(o.replace("_once", f"_{name}").replace("-once", f"-{name}") for o in fresh)
+    config = resolve_auto(_without_flink(load_config(CONF, (*overrides, *extra))), service_set)
+    return clicks.run_with_config(config), config
+
+
+def _assert_as_once(
+    result: PipelineResult,
+    config: dict[str, Any],
+    produced: int,
+    ends: dict[int, int],
+    once: dict[str, Any],
+    dsn: str,
+    run: str,
+    name: str,
+) -> None:
+    """Every record read once (all runs' metrics summed), the group committed to the end, and the same sinks, sessions
+    and events ledger as the one run over everything."""
     counters = result.metrics().query(MetricsFilter().with_name("records_read"))["counters"]
-    assert sum(c.committed or 0 for c in counters) == summary.produced
-    client = open_consumer("confluent", kafka.info["bootstrap"], f"clicks-{run}-split")
+    assert sum(c.committed or 0 for c in counters) == produced
+    topic = config["kafka"]["topic"]
+    client = open_consumer("confluent", config["kafka"]["bootstrap"], config["kafka"]["group_id"])
     try:
         assert {p: client.committed(TopicPartition(topic, p)) for p in ends} == ends
     finally:
         client.close()
-    assert audit_job(config) == audit_job(resolve_auto(_without_flink(load_config(CONF, fresh)), service_set))
-    assert _sessions(dsn, f"sessions_{run}_split") == _sessions(dsn, f"sessions_{run}_once")
+    assert audit_job(config) == once
+    assert _sessions(dsn, f"sessions_{run}_{name}") == _sessions(dsn, f"sessions_{run}_once")
 
 
-def _without_flink(config: dict[str, object]) -> dict[str, object]:
+def _without_flink(config: dict[str, Any]) -> dict[str, Any]:
     config.pop("flink", None)
     return config
 
