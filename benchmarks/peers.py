@@ -138,7 +138,10 @@ class Run:
         self.started = time.perf_counter()
         # The beamflow children import the code under ``tree`` (a snapshot of HEAD by default, see code_tree).
         env = {**os.environ, "PYTHONPATH": str(tree)}
-        self.proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=self._out, stderr=subprocess.STDOUT)
+        # Its own process group: a signal reaches every process of the run (a local run split over processes).
+        self.proc = subprocess.Popen(
+            cmd, cwd=tree, env=env, stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
     def cpu_s(self) -> float:
         """The child's user + sys CPU seconds so far (/proc), with its descendants' (a local run split over processes,
@@ -177,9 +180,12 @@ class Run:
         return False
 
     def signal(self, sig: signal.Signals) -> None:
-        # os.kill, not Popen.send_signal: that polls first, and a child that has just exited would be reaped there,
-        # before wait4 can read its rusage. Only wait4 reaps, so the pid cannot have been reused.
-        os.kill(self.proc.pid, sig)
+        """``sig`` to every process of the run (its process group): a zombie's SIGSTOP freezes a split local run's
+        processes too, not only the command that waits for them; a SIGKILL ends them all at once, as a lost machine.
+        """
+        # os.killpg, not Popen.send_signal: that polls first, and a child that has just exited would be reaped there,
+        # before wait4 can read its rusage. Only wait4 reaps, so the group's id cannot have been reused.
+        os.killpg(self.proc.pid, sig)
 
     def wait(self, timeout: float = RUN_TIMEOUT_S) -> dict[str, Any]:
         """Waits for the child; returns wall/CPU/peak RSS and its RESULT line (if it printed one)."""
@@ -189,7 +195,7 @@ class Run:
             if pid:
                 break
             if time.monotonic() > deadline:
-                self.proc.kill()
+                self.signal(signal.SIGKILL)
                 pid, status, usage = os.wait4(self.proc.pid, 0)
                 break
             time.sleep(0.05)
