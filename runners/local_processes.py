@@ -7,8 +7,10 @@ over its own partitions and commits their offsets after its sinks, and what they
 Iceberg committer retries a conflicting commit, the dedup's first copies and the sessions are claimed and merged in
 PostgreSQL transactions under per-key locks, as two Flink subtasks write them at parallelism 2).
 
-The processes are spawned (not forked: the parent may hold Kafka and gRPC threads) and die with their parent, so a
-killed launcher leaves no run behind to race the next one over the same partitions. Nothing here knows Beam.
+The processes are spawned, not forked: importing Beam already starts native threads (its numerical libraries' and
+jemalloc's, ``/proc/self/task``), and a fork beside threads can copy a lock one of them held. They die with their
+launcher, so a killed launcher leaves no run behind to race the next one over the same partitions. Nothing here knows
+Beam.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import concurrent.futures
 import ctypes
 import logging
 import multiprocessing
+import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -53,24 +56,28 @@ def partition_groups(partitions: Sequence[int], processes: int) -> list[tuple[in
     return [g for g in groups if g]
 
 
-def _child_init(log_level: int) -> None:
+def _child_init(log_level: int, launcher: int) -> None:
     if sys.platform.startswith("linux"):
         # The kernel kills this process when the launcher dies (a crash drill's SIGKILL included).
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != launcher:  # it died before the line above took effect: no signal will come
+        os._exit(1)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s")
     logging.getLogger("apache_beam").setLevel(logging.WARNING)
 
 
 def run_in_processes(target: Callable[[T], R], parts: Sequence[T], describe: Callable[[T], str] = str) -> list[R]:
     """``target(part)`` for every part, each in its own spawned process, all at once; their results in ``parts``'
-    order. Every part runs to its end even when another fails; then the first failure is raised as ``PartFailed``.
-    ``target`` and the parts must pickle (a module-level function and plain data)."""
+    order. Every part runs to its end even when another fails; then the first failure is raised as ``PartFailed``
+    (but a process that dies, say by the OOM killer, breaks the pool and the others are stopped too: each part's
+    work is committed only as far as its offsets say, so a rerun goes on from there). ``target`` and the parts must
+    pickle (a module-level function and plain data)."""
     if not parts:
         return []
     context = multiprocessing.get_context("spawn")
     level = logging.getLogger().getEffectiveLevel()
     with concurrent.futures.ProcessPoolExecutor(
-        max_workers=len(parts), mp_context=context, initializer=_child_init, initargs=(level,)
+        max_workers=len(parts), mp_context=context, initializer=_child_init, initargs=(level, os.getpid())
     ) as pool:
         futures = [pool.submit(target, part) for part in parts]
         concurrent.futures.wait(futures)
