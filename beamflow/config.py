@@ -156,6 +156,12 @@ class DedupConfig:
     ttl_s: int = 86400
     strategy: str = "auto"  # auto | store | state | grouped
 
+    @property
+    def in_runner_state(self) -> bool:
+        """The first copies live in the runner's own state (``state``, ``grouped``), seen by one process only: not
+        across a local run split over processes, nor across bounded runs."""
+        return self.strategy in ("state", "grouped")
+
 
 @dataclass(frozen=True)
 class SessionsConfig:

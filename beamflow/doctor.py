@@ -445,7 +445,7 @@ def local_processes_beyond_cores(job: Job) -> Finding | None:
 @rule
 def split_run_with_runner_state_dedup(job: Job) -> Finding | None:
     kafka, dedup = job.config.kafka, job.config.dedup
-    if kafka is None or kafka.local_processes < 2 or dedup is None or dedup.strategy not in ("state", "grouped"):
+    if kafka is None or kafka.local_processes < 2 or dedup is None or not dedup.in_runner_state:
         return None
     return Finding(
         "split-run-with-runner-state-dedup",

@@ -209,19 +209,22 @@ class ProcessesResult(PipelineResult):
         return self.state
 
     def metrics(self) -> MetricResults:
-        return _StoredMetrics([o.metrics for o in self.outcomes])
+        return _AllRunsMetrics([_StoredMetrics(o.metrics) for o in self.outcomes])
 
 
 class _StoredMetrics(MetricResults):
-    def __init__(self, runs: Sequence[dict[str, list[Any]]]) -> None:
-        self._runs = runs
+    """One process's metrics as it handed them back (``PartOutcome.metrics``), filtered on query."""
+
+    def __init__(self, stored: dict[str, list[Any]]) -> None:
+        self._stored = stored
 
     def query(self, filter: MetricsFilter | None = None) -> dict[str, list[Any]]:
-        merged: dict[str, list[Any]] = {}
-        for run in self._runs:
-            for kind, found in run.items():
-                merged.setdefault(kind, []).extend(r for r in found if self.matches(filter, r.key))
-        return merged
+        return {kind: [r for r in found if self.matches(filter, r.key)] for kind, found in self._stored.items()}
+
+
+def _offsets_left(ends: Mapping[int, int], position: Mapping[int, int | None]) -> int:
+    """Offsets between each partition's position (None: nothing committed, counted from 0) and its end."""
+    return sum(max(end - (position.get(part) or 0), 0) for part, end in ends.items())
 
 
 @dataclass(frozen=True)
@@ -389,7 +392,7 @@ class JobRunner:
             result.wait_until_finish()
             results.append(result)
             before, position = position, own(committed_offsets(kafka.bootstrap, kafka.topic, kafka.group_id, settings))
-            left = sum(max(end - (position.get(part) or 0), 0) for part, end in goal.items())
+            left = _offsets_left(goal, position)
             if not left:
                 break
             if position == before:
@@ -422,8 +425,7 @@ class JobRunner:
         pieces, if so configured) over its own partitions of the topic, dealt round robin
         (``runners.local_processes``). Returns once all have ended, with every process's metrics."""
         kafka = required(job.kafka, "kafka")
-        if job.dedup is not None and job.dedup.strategy in ("state", "grouped"):
-            # Those first copies live in one process's runner state: another process could not see them.
+        if job.dedup is not None and job.dedup.in_runner_state:  # another process could not see its first copies
             self.log.warning(
                 "dedup.strategy %s keeps first copies in one process: the local run stays in one process",
                 job.dedup.strategy,
@@ -432,7 +434,7 @@ class JobRunner:
         ends = end_offsets(kafka.bootstrap, kafka.topic, kafka.consumer_config)
         committed = committed_offsets(kafka.bootstrap, kafka.topic, kafka.group_id, kafka.consumer_config)
         # At most (offsets below the low watermark or holding transaction markers are counted too): a heuristic.
-        backlog = sum(max(end - (committed.get(p) or 0), 0) for p, end in ends.items())
+        backlog = _offsets_left(ends, committed)
         processes = processes_for(backlog, kafka.local_processes, kafka.local_process_records)
         if processes == 1:
             return self.run_with_config(self._one_process(job), runner, beam_args)
