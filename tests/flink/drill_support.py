@@ -164,6 +164,12 @@ class DrillJob:
         self.submitted_s = time.monotonic() - started
         return self
 
+    @property
+    def parallelism(self) -> int:
+        """The parallelism Flink runs the job at (its widest vertex), read from REST, not from the config."""
+        assert self.job_id
+        return max(int(v["parallelism"]) for v in self.rest.job(self.job_id)["vertices"])
+
     def wait_for_checkpoints(self, more: int = 1, timeout: float = 120) -> int:
         assert self.job_id
         done = self.rest.completed_checkpoints(self.job_id)

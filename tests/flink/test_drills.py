@@ -164,6 +164,10 @@ def _new_drill(
     return Drill(config, traffic, tmp_path_factory.mktemp(f"{name}-drill"), feeder, OffsetSampler(config))
 
 
+def _with_parallelism(config: dict[str, Any], parallelism: int) -> dict[str, Any]:
+    return {**config, "flink": {**config["flink"], "parallelism": parallelism}}
+
+
 def _restored(config: dict[str, Any], work: Path, label: str, path: str, jobs: list[DrillJob]) -> DrillJob:
     """Submits the job restored from a checkpoint or savepoint ``path``; returns once it runs and checkpointed."""
     job = DrillJob(config, work, label, (f"--savepoint_path={path}",))
@@ -273,10 +277,13 @@ def restore_drill(drill_services: DrillServices, tmp_path_factory: pytest.TempPa
     config, work, feeder, timings, notes = drill.config, drill.work, drill.feeder, drill.timings, drill.notes
     flink_service = drill_services.flink_service
     checkpoints_dir = Path(drill_services.flink.info["checkpoints_dir"])
-    first = DrillJob(config, work, "first")
+    # The first job runs at parallelism 1 and its checkpoint is restored at 2 (scaling out after an outage), whose
+    # savepoint is then restored at 1 again: both directions of a rescale, each audited record by record.
+    first = DrillJob(_with_parallelism(config, 1), work, "first")
     jobs = [first]
     try:
         drill.start(first, checkpoints=2)
+        notes["first_parallelism"] = first.parallelism
 
         # Drill 4: JobManager SIGKILLed; without HA the restarted JobManager knows no job: resubmit from the newest
         # retained checkpoint (seed 003's failover path).
@@ -303,11 +310,28 @@ def restore_drill(drill_services: DrillServices, tmp_path_factory: pytest.TempPa
         feeder.resume()
         assert second.job_id
         notes["second_restored_from"] = second.rest.checkpoints(second.job_id).get("latest", {}).get("restored")
+        notes["second_parallelism"] = second.parallelism
 
         # Drill 5: stop with a savepoint after the producer switched to schema v2; restore with a changed config.
         _wait_sent(feeder, 0.6)
         feeder.pause()
         notes["before_savepoint"] = _wait_sinks_grow(config, notes["before_jm_kill"]["iceberg_distinct_ids"], second)
+        # Who read which partition after scaling out (the read's per-subtask counters; the JobManager refreshes
+        # them asynchronously, so ask until every partition shows up or a minute passes).
+        topic, partitions = config["kafka"]["topic"], int(config["kafka"]["partitions"])
+        deadline = time.monotonic() + 60
+        while True:
+            owners = second.rest.partitions_read_by_subtask(second.job_id, topic)
+            if set().union(*owners.values(), set()) >= set(range(partitions)) or time.monotonic() > deadline:
+                break
+            time.sleep(2)
+        notes["second_partition_owners"] = owners
+        # The read's counters start over with every attempt, so a job that failed and restarted shows only its last
+        # attempt's readers: its failures are part of the evidence (a second reader of a partition made the job
+        # fail again and again, on duplicate events in a session, when the restored watcher handed partitions out
+        # twice).
+        history = second.rest.job_exceptions(second.job_id).get("exceptionHistory", {}).get("entries", [])
+        notes["second_failures"] = [str(e.get("exceptionName", ""))[:200] for e in history]
         started = time.monotonic()
         try:
             savepoint = second.rest.stop_with_savepoint(second.job_id, timeout=180)
@@ -322,9 +346,9 @@ def restore_drill(drill_services: DrillServices, tmp_path_factory: pytest.TempPa
         # Changed: the bundle time, and the parallelism from 2 to 1. Across 1 the read's Impulse used to get another
         # operator id (Beam gives it no uid, and Flink chains it only at 1), so Flink refused this savepoint; the
         # runner patch (beam_patches.IMPULSE_ID_PATCHES) keeps its id.
-        changed = {**config, "flink": {**config["flink"], "max_bundle_time_ms": 2000, "parallelism": 1}}
+        changed = _with_parallelism({**config, "flink": {**config["flink"], "max_bundle_time_ms": 2000}}, 1)
         third = _restored(changed, work, "third", savepoint, jobs)
-        notes["third_parallelism"] = max(v["parallelism"] for v in third.rest.job(str(third.job_id))["vertices"])
+        notes["third_parallelism"] = third.parallelism
         timings["savepoint_restore_s"] = round(time.monotonic() - started, 1)
         feeder.resume()
 
@@ -553,7 +577,16 @@ def test_jobmanager_failover_and_savepoint_with_schema_v2_leave_every_record_exa
     assert restore_drill.problems == []
     assert restore_drill.traffic.counts["events_v2"] > 0
     assert restore_drill.notes["restored_checkpoint"].rsplit("/", 1)[-1].startswith("chk-")
-    assert restore_drill.notes["third_parallelism"] == 1  # the savepoint of a p2 job, restored at p1
+    # Rescaled both ways: the checkpoint of a p1 job restored at p2, the savepoint of that p2 job restored at p1.
+    notes = restore_drill.notes
+    assert (notes["first_parallelism"], notes["second_parallelism"], notes["third_parallelism"]) == (1, 2, 1)
+    # Scaled out, each partition has one reader: the restored watcher hands no partition out a second time (Beam's
+    # runner without beamflow's Impulse patch did, so two subtasks read the same records; docs/deploying.md). Which
+    # subtask reads which is the key hash of the p1 job's descriptors (not spread at p1), so possibly all on one.
+    owners = notes["second_partition_owners"]
+    read = [p for partitions in owners.values() for p in partitions]
+    assert len(read) == len(set(read)), f"a partition read by two subtasks after the rescale: {owners}"
+    assert notes["second_failures"] == [], "the scaled-out job failed after its restore"
 
 
 def test_taskmanager_kill_broker_restart_and_zombie_leave_every_record_exactly_once(live_drill: DrillResult) -> None:
