@@ -24,7 +24,8 @@ same slope is also taken from the moments the backlog's events became visible in
 once a second per subtask), consumer lag over time, every checkpoint's duration with its alignment / sync / async parts
 (Flink REST, the slowest subtask of each vertex), busy and backpressured time per vertex, CPU seconds per process role
 from /proc and the whole machine's busy cores (/proc/stat: p1's busy cores give the ceiling this machine leaves p2 /
-p1, cores / busy cores), and the latency from produce to visible:
+p1, cores / busy cores; over the whole catch-up and, sampled every second, over the span the Iceberg measure covers),
+and the latency from produce to visible:
 in Iceberg for every live event (the commit time of the first snapshot whose added files hold its event id, read after
 the run), and in the PostgreSQL sessions table for sampled live events (polled: a session row of the user whose
 offset ranges hold the event's Kafka coordinates). Each variant is audited as the Flink tests do
@@ -253,6 +254,7 @@ class Sampler(threading.Thread):
         self.expected_pg: int = 0
         self.checkpoints: dict[int, dict[str, Any]] = {}
         self.vertex_samples: list[tuple[float, dict[str, dict[str, float]]]] = []
+        self.busy: list[tuple[float, float]] = []  # (epoch s, the machine's busy CPU s so far), every second
         self.errors: list[str] = []
         self._halt = threading.Event()
 
@@ -275,6 +277,7 @@ class Sampler(threading.Thread):
         try:
             while not self._halt.is_set():
                 tick = time.monotonic()
+                self.busy.append((time.time(), machine_busy_s()))
                 try:
                     self._offsets(consumer, tps)
                     if n % 2 == 0:
@@ -566,18 +569,35 @@ def _percentiles(values: list[float]) -> dict[str, float | int | None]:
     return {"n": len(ordered), "p50": pick(0.5), "p99": pick(0.99), "max": ordered[-1]}
 
 
-def _visible_sustained(visible_ms: list[int], total_records: int) -> float | None:
-    """Records/s between the moments 10% and 90% of the backlog's events were visible in Iceberg, scaled from events
-    to backlog records. The sink commits once per bundle (about once a second per subtask), so this slope has about a
-    second's resolution, against a checkpoint interval's for the committed offsets."""
+def _visible_window(visible_ms: list[int]) -> tuple[float, float] | None:
+    """The moments (epoch s) 10% and 90% of the backlog's events were visible in Iceberg."""
     if len(visible_ms) < 10:
         return None
     ordered = sorted(visible_ms)
     lo, hi = ordered[int(0.1 * len(ordered))], ordered[int(0.9 * len(ordered)) - 1]
-    if hi <= lo:
+    return (lo / 1000, hi / 1000) if hi > lo else None
+
+
+def _visible_sustained(visible_ms: list[int], total_records: int) -> float | None:
+    """Records/s between the moments 10% and 90% of the backlog's events were visible in Iceberg, scaled from events
+    to backlog records. The sink commits once per bundle (about once a second per subtask), so this slope has about a
+    second's resolution, against a checkpoint interval's for the committed offsets."""
+    window = _visible_window(visible_ms)
+    if window is None:
         return None
-    events_per_s = (int(0.9 * len(ordered)) - 1 - int(0.1 * len(ordered))) / ((hi - lo) / 1000)
-    return events_per_s * total_records / len(ordered)
+    events = int(0.9 * len(visible_ms)) - 1 - int(0.1 * len(visible_ms))
+    return events / (window[1] - window[0]) * total_records / len(visible_ms)
+
+
+def _busy_cores(samples: list[tuple[float, float]], window: tuple[float, float] | None) -> float | None:
+    """The machine's busy cores between two moments, from the per-second samples nearest inside them. The catch-up's
+    average understates the steady phase: its start (deploying) and its tail (one partition left) leave cores idle."""
+    if window is None:
+        return None
+    inside = [(t, b) for t, b in samples if window[0] <= t <= window[1]]
+    if len(inside) < 2 or inside[-1][0] <= inside[0][0]:
+        return None
+    return (inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0])
 
 
 def _sustained(offsets: list[tuple[float, int, int]], total: int, since: float) -> float | None:
@@ -699,6 +719,9 @@ def run_streaming(
         backlog_rate=total_backlog / caught,
         sustained=_sustained(sampler.offsets, total_backlog, 0.0) or committed_at_catch_up / caught,
         visible_sustained=_visible_sustained([first_seen[i] for i in backlog_ids if i in first_seen], total_backlog),
+        visible_window_busy_cores=_busy_cores(
+            sampler.busy, _visible_window([first_seen[i] for i in backlog_ids if i in first_seen])
+        ),
         offsets=sampler.offsets,
         sampler_errors=sampler.errors[:20],
         iceberg_missing_backlog=missing,
@@ -857,6 +880,11 @@ def report(figures: dict[str, Any]) -> list[str]:
                 if v.get("machine_wall_s")
                 else ""
             )
+            + (
+                f"; between 10% and 90% of the backlog visible in Iceberg {v['visible_window_busy_cores']:.2f}"
+                if v.get("visible_window_busy_cores")
+                else ""
+            )
         )
         lines.append("  slowest checkpoint parts (max over subtasks, per vertex; ms):")
         worst = sorted(cps, key=lambda c: -c["duration_ms"])[:3]
@@ -902,6 +930,9 @@ def report(figures: dict[str, Any]) -> list[str]:
         # What this machine leaves p2: if p1 already keeps c of its n cores busy, p2 can at best go n / c times as
         # fast, however well the job scales (the broker, PostgreSQL and the JobManager share the same cores).
         ratios["p2_over_p1_cpu_ceiling"] = figures["nproc"] / (p1["machine_busy_s"] / p1["machine_wall_s"])
+    if p1 and p1.get("visible_window_busy_cores"):
+        # The same over the span the Iceberg measure spans (the steady phase): the ceiling for that measure.
+        ratios["p2_over_p1_cpu_ceiling_visible"] = figures["nproc"] / p1["visible_window_busy_cores"]
     all_cps = [c["duration_ms"] for v in figures["streaming"] for c in v["checkpoints"] if c["status"] == "COMPLETED"]
     if all_cps:
         ratios["checkpoint_over_interval"] = max(all_cps) / figures["interval_ms"]
@@ -918,6 +949,13 @@ def report(figures: dict[str, Any]) -> list[str]:
         lines.append(
             f"  (this machine's ceiling for it: {figures['nproc']} cores / the cores busy during p1's catch-up = "
             f"{ratios['p2_over_p1_cpu_ceiling']:.2f})"
+        )
+    if p1 and ratios.get("p2_over_p1_cpu_ceiling_visible"):
+        busy_p2 = p2.get("visible_window_busy_cores") if p2 else None
+        lines.append(
+            f"  (the same between 10% and 90% visible, the span the Iceberg measure covers: {figures['nproc']} cores / "
+            f"p1's {p1['visible_window_busy_cores']:.2f} busy = {ratios['p2_over_p1_cpu_ceiling_visible']:.2f}"
+            + (f"; p2 kept {busy_p2:.2f} of {figures['nproc']} busy over its own span)" if busy_p2 else ")")
         )
     lines.append(
         _goal_line(
