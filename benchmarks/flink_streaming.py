@@ -589,6 +589,23 @@ def _visible_sustained(visible_ms: list[int], total_records: int) -> float | Non
     return events / (window[1] - window[0]) * total_records / len(visible_ms)
 
 
+def _sessions_line(metrics: dict[str, Any]) -> str:
+    """The sessions store's work per 1,000 records read, from Beam's counters (summed over subtasks)."""
+
+    def total(name: str) -> float:
+        # Exact ends: the read also counts per partition (records_read.<topic>-<partition>).
+        return sum(v for k, v in metrics.items() if k.endswith(name) and isinstance(v, int | float))
+
+    read = total("records_read")
+    if not read:
+        return ""
+    inserted, replaced = total("rows_inserted"), total("rows_replaced")
+    return (
+        f"\n  sessions store per 1,000 records read (Beam counters at the catch-up, {read:,.0f} read): "
+        f"{1000 * inserted / read:.0f} rows inserted, {1000 * replaced / read:.0f} replaced"
+    )
+
+
 def _busy_cores(samples: list[tuple[float, float]], window: tuple[float, float] | None) -> float | None:
     """The machine's busy cores between two moments, from the per-second samples nearest inside them. The catch-up's
     average understates the steady phase: its start (deploying) and its tail (one partition left) leave cores idle."""
@@ -656,6 +673,13 @@ def run_streaming(
         cpu_caught = cpu_by_role(roots)
         busy_caught = machine_busy_s()
         caught_wall = time.time()
+        try:
+            # Beam's counters at the catch-up (summed over subtasks): what the sinks did per record read.
+            from beamflow.cli.status import beam_metrics
+
+            out["beam_metrics"] = beam_metrics(rest, job_id)[0]
+        except Exception as exc:  # a figure for the report, never a reason to lose the run
+            out["beam_metrics"] = {"error": str(exc)[:200]}
         out["cpu_s"] = {k: round(cpu_caught.get(k, 0) - cpu_start.get(k, 0), 1) for k in cpu_caught}
         out["machine_busy_s"] = round(busy_caught - busy_start, 1)
         out["machine_wall_s"] = round(time.time() - running_at, 1)
@@ -885,6 +909,7 @@ def report(figures: dict[str, Any]) -> list[str]:
                 if v.get("visible_window_busy_cores")
                 else ""
             )
+            + _sessions_line(v.get("beam_metrics", {}))
         )
         lines.append("  slowest checkpoint parts (max over subtasks, per vertex; ms):")
         worst = sorted(cps, key=lambda c: -c["duration_ms"])[:3]
