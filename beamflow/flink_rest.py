@@ -159,6 +159,12 @@ class FlinkRest:
         result: dict[str, Any] = self._request("GET", f"/jobs/{job_id}/exceptions")
         return result
 
+    def failure_history(self, job_id: str) -> list[dict[str, Any]]:
+        """The job's failures so far, oldest first (each one a failover or restart): ``[]`` for a job that never
+        failed. Per-attempt figures (Beam's counters among them) start over after each."""
+        entries: list[dict[str, Any]] = self.job_exceptions(job_id).get("exceptionHistory", {}).get("entries", [])
+        return entries
+
     def failure_cause(self, job_id: str) -> str:
         """Why the job failed, in one line: the innermost cause of Flink's root exception ("" if it has none)."""
         return root_cause(str(self.job_exceptions(job_id).get("root-exception") or ""))

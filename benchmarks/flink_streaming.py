@@ -712,7 +712,7 @@ def run_streaming(
         live.stop()
         sampler.stop()
         out["checkpoint_counts"] = rest.checkpoints(job_id).get("counts")
-        out["exceptions"] = len(rest.job_exceptions(job_id).get("exceptionHistory", {}).get("entries", []))
+        out["exceptions"] = len(rest.failure_history(job_id))
         job = rest.job(job_id)
         out["vertex_names"] = {v["id"]: v.get("name", "")[:160] for v in job.get("vertices", [])}
         out["vertex_parallelism"] = {v["id"]: v.get("parallelism") for v in job.get("vertices", [])}
@@ -726,8 +726,9 @@ def run_streaming(
     from beamflow.generate import EVENT_ID_FIELDS
 
     backlog_ids = [event_id_from_fields(r.event, EVENT_ID_FIELDS) for r in backlog.records if r.kind == "event"]
-    missing = sum(1 for i in backlog_ids if i not in first_seen)
-    iceberg_at = max((first_seen[i] for i in backlog_ids if i in first_seen), default=0) / 1000 - running_at
+    backlog_visible_ms = [first_seen[i] for i in backlog_ids if i in first_seen]
+    missing = len(backlog_ids) - len(backlog_visible_ms)
+    iceberg_at = max(backlog_visible_ms, default=0) / 1000 - running_at
     caught = max(sampler.committed_at_end or 0, sampler.pg_backlog_at or 0, iceberg_at)
     total_backlog = sum(backlog_end.values())
     committed_at_catch_up = next((c for t, c, _ in sampler.offsets if t >= caught), sampler.offsets[-1][1])
@@ -742,10 +743,8 @@ def run_streaming(
         rate_over_catch_up=committed_at_catch_up / caught,
         backlog_rate=total_backlog / caught,
         sustained=_sustained(sampler.offsets, total_backlog, 0.0) or committed_at_catch_up / caught,
-        visible_sustained=_visible_sustained([first_seen[i] for i in backlog_ids if i in first_seen], total_backlog),
-        visible_window_busy_cores=_busy_cores(
-            sampler.busy, _visible_window([first_seen[i] for i in backlog_ids if i in first_seen])
-        ),
+        visible_sustained=_visible_sustained(backlog_visible_ms, total_backlog),
+        visible_window_busy_cores=_busy_cores(sampler.busy, _visible_window(backlog_visible_ms)),
         offsets=sampler.offsets,
         sampler_errors=sampler.errors[:20],
         iceberg_missing_backlog=missing,

@@ -126,7 +126,7 @@ def run_flink(config: dict[str, Any]) -> dict[str, Any]:
     timestamps = {k: int(v) for k, v in (detail.get("timestamps") or {}).items() if int(v) > 0}
     reasons: list[str] = []
     try:
-        entries = rest.job_exceptions(job.job_id).get("exceptionHistory", {}).get("entries", [])
+        entries = rest.failure_history(job.job_id)
         for entry in entries:
             first = (str(entry.get("stacktrace") or entry.get("exceptionName") or "").strip().splitlines() or [""])[0]
             reasons.append(f"{str(entry.get('taskName') or '')[:80]}: {first[:300]}")

@@ -511,6 +511,18 @@ def wait_for_kill_moment(checkpoints_dir: Path, job_id: str, moment: str, timeou
     raise AssertionError(f"job {job_id} never reached the moment {moment!r} in {timeout:.0f}s")
 
 
+def partition_owners(rest: FlinkRest, job_id: str, topic: str, partitions: int, timeout: float) -> dict[int, set[int]]:
+    """Which partitions each read subtask has read (``FlinkRest.partitions_read_by_subtask``), asked again until
+    all ``partitions`` show up or ``timeout`` passes: the JobManager refreshes REST metrics asynchronously (at most
+    every 10 s, after a request asks), so a first answer can predate the read's counters. Returns what was seen."""
+    deadline = time.monotonic() + timeout
+    while True:
+        owners = rest.partitions_read_by_subtask(job_id, topic)
+        if set().union(set(), *owners.values()) >= set(range(partitions)) or time.monotonic() > deadline:
+            return owners
+        time.sleep(2)
+
+
 def latest_retained_checkpoint(checkpoints_dir: Path, job_id: str) -> str:
     """The newest ``chk-N`` folder of a job that has its ``_metadata`` (a complete, restorable checkpoint)."""
     folders = [p for p in (checkpoints_dir / job_id).glob("chk-*") if (p / "_metadata").exists()]

@@ -46,6 +46,7 @@ from tests.flink.drill_support import (
     check_exactly_once,
     drill_config,
     latest_retained_checkpoint,
+    partition_owners,
     python_workers,
     sink_counts,
     taskmanager_role_running,
@@ -316,22 +317,18 @@ def restore_drill(drill_services: DrillServices, tmp_path_factory: pytest.TempPa
         _wait_sent(feeder, 0.6)
         feeder.pause()
         notes["before_savepoint"] = _wait_sinks_grow(config, notes["before_jm_kill"]["iceberg_distinct_ids"], second)
-        # Who read which partition after scaling out (the read's per-subtask counters; the JobManager refreshes
-        # them asynchronously, so ask until every partition shows up or a minute passes).
-        topic, partitions = config["kafka"]["topic"], int(config["kafka"]["partitions"])
-        deadline = time.monotonic() + 60
-        while True:
-            owners = second.rest.partitions_read_by_subtask(second.job_id, topic)
-            if set().union(*owners.values(), set()) >= set(range(partitions)) or time.monotonic() > deadline:
-                break
-            time.sleep(2)
-        notes["second_partition_owners"] = owners
+        # Who read which partition after scaling out (the read's per-subtask counters).
+        kafka = config["kafka"]
+        notes["second_partition_owners"] = partition_owners(
+            second.rest, second.job_id, kafka["topic"], int(kafka["partitions"]), timeout=60
+        )
         # The read's counters start over with every attempt, so a job that failed and restarted shows only its last
         # attempt's readers: its failures are part of the evidence (a second reader of a partition made the job
         # fail again and again, on duplicate events in a session, when the restored watcher handed partitions out
         # twice).
-        history = second.rest.job_exceptions(second.job_id).get("exceptionHistory", {}).get("entries", [])
-        notes["second_failures"] = [str(e.get("exceptionName", ""))[:200] for e in history]
+        notes["second_failures"] = [
+            str(e.get("exceptionName", ""))[:200] for e in second.rest.failure_history(second.job_id)
+        ]
         started = time.monotonic()
         try:
             savepoint = second.rest.stop_with_savepoint(second.job_id, timeout=180)

@@ -66,7 +66,7 @@ class IdleJob:
         checkpoints = self.rest.completed_checkpoints(self.job_id)
         lines = [f"state {self.rest.job_state(self.job_id)}, {checkpoints} checkpoints"]
         # A failover resets Flink's per-attempt metrics and restores the Impulse as already emitted.
-        history = self.rest.job_exceptions(self.job_id).get("exceptionHistory", {}).get("entries", [])
+        history = self.rest.failure_history(self.job_id)
         lines.extend(f"  failover: {e.get('exceptionName')} {str(e.get('stacktrace'))[:300]}" for e in history[:3])
         for vertex in self.rest.job(self.job_id).get("vertices", []):
             marks = self.rest._request("GET", f"/jobs/{self.job_id}/vertices/{vertex['id']}/watermarks")

@@ -34,6 +34,7 @@ from tests.flink.drill_support import (
     committed_offsets,
     drill_config,
     latest_retained_checkpoint,
+    partition_owners,
     sink_counts,
     wait_for_sinks,
 )
@@ -167,22 +168,10 @@ def backlog_run(
         rest = FlinkRest(config["flink"]["rest_url"])
         result["state"] = rest.job_state(job.job_id)
         result["checkpoints"] = rest.checkpoints(job.job_id)
-        result["exceptions"] = rest.job_exceptions(job.job_id)
+        result["failures"] = rest.failure_history(job.job_id)
         result["end_offsets"] = end
-        # Flink's REST metrics come from a store the JobManager refreshes asynchronously (at most every 10 s, after a
-        # request asks), so a first answer can predate the read's counters: ask until every partition shows up.
-        owners: dict[int, set[int]] = {}
-        job_id = job.job_id
-
-        def every_partition_seen() -> bool:
-            owners.clear()
-            owners.update(rest.partitions_read_by_subtask(job_id, config["kafka"]["topic"]))
-            return set().union(*owners.values()) >= {0, 1, 2, 3} if owners else False
-
-        asked_until = time.monotonic() + 90
-        while not every_partition_seen() and time.monotonic() < asked_until:
-            time.sleep(2)
-        result["partition_owners"] = dict(owners)  # what was seen: the test below judges it (other tests go on)
+        # What was seen: the test below judges it (other tests go on).
+        result["partition_owners"] = partition_owners(rest, job.job_id, config["kafka"]["topic"], 4, timeout=90)
     finally:
         job.cancel()
     if job.job_id is not None:  # retained on cancellation: what the job's state held after minutes of deferrals
@@ -251,7 +240,7 @@ def test_backlog_catches_up_with_every_checkpoint_completing(backlog_run: dict[s
     # at the moment"); those never start, so they have no history entry. Every checkpoint that started is above.
     assert len(history) >= checkpoints["counts"]["completed"]
     assert backlog_run["state"] == "RUNNING"
-    restarts = backlog_run["exceptions"].get("exceptionHistory", {}).get("entries", [])
+    restarts = backlog_run["failures"]
     assert restarts == [], [e.get("exceptionName") for e in restarts]
 
 
