@@ -170,6 +170,7 @@ class SessionsConfig:
     hot_keys: tuple[str, ...] = ()
     fanout: int = 16
     batch_rows: int = 500  # WriteSessions merges its buffered rows at this many, and always at the bundle's end
+    route_by_user: bool = True  # a stream's session inputs pass a keyed route by user before their partials
 
 
 @dataclass(frozen=True)

@@ -200,6 +200,10 @@ def build_pipeline(p: beam.Pipeline, config: JobConfig | Mapping[str, Any]) -> C
             fanout=sessions_conf.fanout if bounded else None,
             allowed_lateness=sessions_conf.allowed_lateness_s if bounded else 0,
             shard_by=(lambda e: e["event_id"]) if bounded else None,
+            # The read's rebalance spreads a user's events over every subtask; routed by user, one subtask folds
+            # and writes each user's sessions (at p2: a quarter fewer rows stored, half as many replaced, no lock
+            # waits between the writers; docs/streaming.md).
+            route_by_key=sessions_conf.route_by_user and not bounded,
         )
     )
     # Merged with the stored sessions they touch (superseded windows, earlier runs, replays) in one transaction.

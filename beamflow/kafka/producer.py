@@ -97,6 +97,11 @@ DEFAULT_PRODUCER_CONFIG: dict[str, Any] = {
 }
 # What both modes' guarantees rest on: set here, and refused (not silently replaced) when producer_config differs.
 _FIXED = {"acks": "all", "enable.idempotence": True}
+# Delivery reports for failed records only: confluent-kafka then skips building a Message and calling Python for
+# every acked record (its Producer.c checks this setting itself, so no per-record state leaks). Nothing here counts
+# successes by report: a flush with no error and nothing left queued means every record was acked, and a
+# transaction's commit fails on any delivery error anyway.
+_REPORTS = {"delivery.report.only.error": True}
 # Bytes a record costs beyond key, value and headers in a v2 record batch (varints, attributes, the batch header when
 # it travels alone): kept conservative so a record judged to fit does fit.
 _RECORD_OVERHEAD = 128
@@ -287,7 +292,9 @@ def build_producer_config(bootstrap: str, overrides: dict[str, Any]) -> dict[str
     references resolved (call where the producer is made)."""
     from beamflow.secrets import kafka_client_config
 
-    return kafka_client_config({"bootstrap.servers": bootstrap, **DEFAULT_PRODUCER_CONFIG, **overrides, **_FIXED})
+    return kafka_client_config(
+        {"bootstrap.servers": bootstrap, **DEFAULT_PRODUCER_CONFIG, **_REPORTS, **overrides, **_FIXED}
+    )
 
 
 def fetch_topic_limits(bootstrap: str, topic: str, config: dict[str, Any], stage: str) -> TopicLimits:
@@ -348,8 +355,6 @@ class AtLeastOnceWriter:
     def _delivered(self, err: Any, _msg: Any) -> None:
         if err is not None:
             self._errors.append(str(err))
-        else:
-            self.stats.written += 1
 
     def add(self, record: ProducerRecord, timestamp_ms: int | None = None) -> list[DeadLetter]:
         """Produces ``record``, stamped ``timestamp_ms`` if given (else its own ``timestamp_ms``); a record the topic
@@ -376,6 +381,7 @@ class AtLeastOnceWriter:
                 f"topic {self.topic}: {remaining} records unacked (waited up to {self.flush_timeout_s:.0f}s), "
                 f"{len(errors)} delivery errors: {errors[:3]}"
             )
+        self.stats.written += count
         return count
 
     def close(self) -> None:

@@ -365,6 +365,8 @@ def test_bad_arguments_are_refused() -> None:
         HotKeyAggregate(SessionClicksFn(), windowfn=FixedWindows(60), fanout=1)
     with pytest.raises(TypeError, match="CombineFn"):
         HotKeyAggregate(sum, windowfn=FixedWindows(60))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="route_by_key"):
+        HotKeyAggregate(SessionClicksFn(), windowfn=Sessions(60), strategy="lifted", route_by_key=True)
 
 
 # --- late data (TestStream on BundleBasedDirectRunner) ----------------------------------------------------------
@@ -596,17 +598,19 @@ def test_bounded_sessions_lifted_path_equals_windowed_path(
 
 
 @settings(PROPERTY, max_examples=5)
-@given(pairs=stream, gap=st.sampled_from([60, 300, 600]))
+@given(pairs=stream, gap=st.sampled_from([60, 300, 600]), route_by_key=st.booleans())
 def test_property_bundle_partials_merged_by_the_sink_equal_combine_per_key(
-    pairs: list[tuple[str, int]], gap: int
+    pairs: list[tuple[str, int]], gap: int, route_by_key: bool
 ) -> None:
     """``bundle_partials`` rows are partial sessions; merged as a sink merges them (overlapping windows joined, values
-    added), they are the sessions of a plain CombinePerKey."""
+    added), they are the sessions of a plain CombinePerKey, with or without the keyed route in front of the sink."""
     events = [click(user, t, event_id=f"e{i}") for i, (user, t) in enumerate(pairs)]
     pipeline = fn_api_pipeline()
     keyed = pipeline | beam.Create(events) | "Timestamp" >> beam.Map(_keyed)
     counts = beam.combiners.CountCombineFn()
-    partials = keyed | HotKeyAggregate(counts, windowfn=Sessions(gap), strategy="bundle_partials")
+    partials = keyed | HotKeyAggregate(
+        counts, windowfn=Sessions(gap), strategy="bundle_partials", route_by_key=route_by_key
+    )
     plain = (
         keyed
         | "PlainWindows" >> beam.WindowInto(Sessions(gap))

@@ -99,7 +99,11 @@ class HotKeyAggregate(beam.PTransform):
     coordinates in one transaction). Nothing is ever too late there (``allowed_lateness``, ``hot_keys``,
     ``detect`` and ``fanout`` have no effect). Why: on a Flink stream the windowed path keeps every input in
     merging-window state and fires sessions in bursts when the watermark moves, which holds checkpoint barriers
-    back on a backlog (issue 13); partials cost one pass per bundle.
+    back on a backlog (issue 13); partials cost one pass per bundle. ``route_by_key=True`` (``bundle_partials``
+    only) first passes the inputs through one keyed step that holds no state (``bundle_partials.py``), so at
+    parallelism p each key's inputs meet on one instance: one partial per key per bundle instead of up to p, and
+    the sink instances fused after it write disjoint keys (no two merging, or waiting for the other's lock on, one
+    key's sessions). It costs one network exchange of the inputs.
 
     Strategy (``strategy=``, one module each under ``transforms/hot_key_aggregate/``):
 
@@ -129,6 +133,7 @@ class HotKeyAggregate(beam.PTransform):
         shard_by: Callable[[Any], Any] | None = None,
         label: str | None = None,
         strategy: str = "auto",
+        route_by_key: bool = False,
     ) -> None:
         super().__init__(label)
         if strategy not in STRATEGIES:
@@ -141,6 +146,9 @@ class HotKeyAggregate(beam.PTransform):
             raise ValueError(f"windowfn must be FixedWindows or Sessions, got {type(windowfn).__name__}")
         if fanout is not None and fanout < 2:
             raise ValueError(f"fanout must be >= 2, got {fanout}")
+        if route_by_key and strategy != "bundle_partials":
+            raise ValueError("route_by_key acts on strategy 'bundle_partials' only")
+        self._route_by_key = route_by_key
         self._strategy = strategy
         self._combine_fn = combine_fn
         self._windowfn = windowfn
@@ -196,4 +204,4 @@ class HotKeyAggregate(beam.PTransform):
             pairs = pairs | "SessionInputsGlobal" >> beam.WindowInto(GlobalWindows())
         if strategy == "lifted":
             return lifted_sessions(pairs, self._combine_fn, self._windowfn.gap_size)
-        return bundle_partials(pairs, self._combine_fn, self._windowfn.gap_size)
+        return bundle_partials(pairs, self._combine_fn, self._windowfn.gap_size, self._route_by_key)
