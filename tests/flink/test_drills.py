@@ -7,7 +7,8 @@ Two jobs carry all drills (submissions cost 30-40 s each on 2 cores, so assertio
   sinks and left running to the end. ``beamflow status`` is read from the running job in between.
 * ``restore_drill``: the JobManager SIGKILLed mid-stream and restarted (no HA: the job is gone), the job resubmitted
   from its newest retained checkpoint (seed 003's failover path); later stopped with a savepoint while the producer has
-  switched to schema v2, and restored from it with a changed configuration, at parallelism 1 instead of 2.
+  switched to schema v2, and restored from it with a changed configuration, at parallelism 1 instead of 2 and with
+  the sessions' keyed route, which the first two jobs ran without (the upgrade of a job started before the route).
 
 Each drill produces generated traffic (duplicate sends and undecodable records included) while the job runs, samples
 the group's committed offsets against what the sinks hold, and at the end audits that every record is in exactly the
@@ -169,6 +170,19 @@ def _with_parallelism(config: dict[str, Any], parallelism: int) -> dict[str, Any
     return {**config, "flink": {**config["flink"], "parallelism": parallelism}}
 
 
+def _without_route(config: dict[str, Any]) -> dict[str, Any]:
+    """The job graph of a job started before ``sessions.route_by_user`` existed (the sessions fused into the big
+    stage, no keyed route): the restore drill upgrades such a job to the routed one through its savepoint."""
+    return {**config, "sessions": {**config["sessions"], "route_by_user": False}}
+
+
+def _routed_sessions(job: DrillJob) -> bool:
+    """Whether the running job has the sessions' own keyed stage (the route) rather than sessions in the big stage."""
+    assert job.job_id
+    names = [str(v.get("name", "")) for v in job.rest.job(job.job_id).get("vertices", [])]
+    return any("SessionAggregates" in n and "DecodeAvro" not in n for n in names)
+
+
 def _restored(config: dict[str, Any], work: Path, label: str, path: str, jobs: list[DrillJob]) -> DrillJob:
     """Submits the job restored from a checkpoint or savepoint ``path``; returns once it runs and checkpointed."""
     job = DrillJob(config, work, label, (f"--savepoint_path={path}",))
@@ -280,7 +294,9 @@ def restore_drill(drill_services: DrillServices, tmp_path_factory: pytest.TempPa
     checkpoints_dir = Path(drill_services.flink.info["checkpoints_dir"])
     # The first job runs at parallelism 1 and its checkpoint is restored at 2 (scaling out after an outage), whose
     # savepoint is then restored at 1 again: both directions of a rescale, each audited record by record.
-    first = DrillJob(_with_parallelism(config, 1), work, "first")
+    # The first two jobs run the job graph from before the sessions' route; the savepoint is restored into the
+    # routed one: the upgrade a running job takes (docs/deploying.md).
+    first = DrillJob(_with_parallelism(_without_route(config), 1), work, "first")
     jobs = [first]
     try:
         drill.start(first, checkpoints=2)
@@ -306,12 +322,13 @@ def restore_drill(drill_services: DrillServices, tmp_path_factory: pytest.TempPa
                 break
             assert time.monotonic() < deadline, overview
             time.sleep(1)
-        second = _restored(config, work, "second", checkpoint, jobs)
+        second = _restored(_without_route(config), work, "second", checkpoint, jobs)
         timings["jobmanager_restore_s"] = round(time.monotonic() - started, 1)
         feeder.resume()
         assert second.job_id
         notes["second_restored_from"] = second.rest.checkpoints(second.job_id).get("latest", {}).get("restored")
         notes["second_parallelism"] = second.parallelism
+        notes["second_routed"] = _routed_sessions(second)
 
         # Drill 5: stop with a savepoint after the producer switched to schema v2; restore with a changed config.
         _wait_sent(feeder, 0.6)
@@ -340,12 +357,14 @@ def restore_drill(drill_services: DrillServices, tmp_path_factory: pytest.TempPa
             notes["stop_mode"] = "savepoint-and-cancel"
         notes["savepoint"] = savepoint
         second.reap(timeout=60)
-        # Changed: the bundle time, and the parallelism from 2 to 1. Across 1 the read's Impulse used to get another
-        # operator id (Beam gives it no uid, and Flink chains it only at 1), so Flink refused this savepoint; the
-        # runner patch (beam_patches.IMPULSE_ID_PATCHES) keeps its id.
+        # Changed: the bundle time, the parallelism from 2 to 1, and the sessions routed (the config's default).
+        # Across 1 the read's Impulse used to get another operator id (Beam gives it no uid, and Flink chains it
+        # only at 1), so Flink refused this savepoint; the runner patch (beam_patches.IMPULSE_ID_PATCHES) keeps its
+        # id. The route adds an operator and renames the fused stage before it, which holds no keyed state.
         changed = _with_parallelism({**config, "flink": {**config["flink"], "max_bundle_time_ms": 2000}}, 1)
         third = _restored(changed, work, "third", savepoint, jobs)
         notes["third_parallelism"] = third.parallelism
+        notes["third_routed"] = _routed_sessions(third)
         timings["savepoint_restore_s"] = round(time.monotonic() - started, 1)
         feeder.resume()
 
@@ -584,6 +603,8 @@ def test_jobmanager_failover_and_savepoint_with_schema_v2_leave_every_record_exa
     read = [p for partitions in owners.values() for p in partitions]
     assert len(read) == len(set(read)), f"a partition read by two subtasks after the rescale: {owners}"
     assert notes["second_failures"] == [], "the scaled-out job failed after its restore"
+    # Upgraded through the savepoint: from the job graph before the sessions' route to the routed one.
+    assert (notes["second_routed"], notes["third_routed"]) == (False, True)
 
 
 def test_taskmanager_kill_broker_restart_and_zombie_leave_every_record_exactly_once(live_drill: DrillResult) -> None:
