@@ -39,7 +39,12 @@ import apache_beam as beam
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 from beamflow.kafka.admin import create_topic
-from beamflow.kafka.producer import DEFAULT_PRODUCER_CONFIG, ExactlyOnceShardWriter, ProducerRecord
+from beamflow.kafka.producer import (
+    DEFAULT_PRODUCER_CONFIG,
+    FAILED_REPORTS_ONLY,
+    ExactlyOnceShardWriter,
+    ProducerRecord,
+)
 from beamflow.services import ServiceSet
 from beamflow.services.paths import data_dir
 from runners.direct import local_options
@@ -85,7 +90,7 @@ def bare_idempotent(bootstrap: str, topic: str, total: int, size: int) -> float:
         if err is not None:
             errors.append(err)
 
-    producer = Producer(_config(bootstrap, **{"delivery.report.only.error": True}))
+    producer = Producer(_config(bootstrap, **FAILED_REPORTS_ONLY))
     start = time.perf_counter()
     for i in range(total):
         _produce(producer, topic, _key(i), _value(i, size), on_delivery)

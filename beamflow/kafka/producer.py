@@ -66,6 +66,7 @@ from beamflow.postgres.arrays import text_array
 
 __all__ = [
     "DEFAULT_PRODUCER_CONFIG",
+    "FAILED_REPORTS_ONLY",
     "AtLeastOnceWriter",
     "ExactlyOnceShardWriter",
     "KafkaWriteError",
@@ -101,7 +102,7 @@ _FIXED = {"acks": "all", "enable.idempotence": True}
 # every acked record (its Producer.c checks this setting itself, so no per-record state leaks). Nothing here counts
 # successes by report: a flush with no error and nothing left queued means every record was acked, and a
 # transaction's commit fails on any delivery error anyway.
-_REPORTS = {"delivery.report.only.error": True}
+FAILED_REPORTS_ONLY = {"delivery.report.only.error": True}
 # Bytes a record costs beyond key, value and headers in a v2 record batch (varints, attributes, the batch header when
 # it travels alone): kept conservative so a record judged to fit does fit.
 _RECORD_OVERHEAD = 128
@@ -293,7 +294,7 @@ def build_producer_config(bootstrap: str, overrides: dict[str, Any]) -> dict[str
     from beamflow.secrets import kafka_client_config
 
     return kafka_client_config(
-        {"bootstrap.servers": bootstrap, **DEFAULT_PRODUCER_CONFIG, **_REPORTS, **overrides, **_FIXED}
+        {"bootstrap.servers": bootstrap, **DEFAULT_PRODUCER_CONFIG, **FAILED_REPORTS_ONLY, **overrides, **_FIXED}
     )
 
 

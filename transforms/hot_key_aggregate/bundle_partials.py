@@ -36,7 +36,7 @@ class _RouteByKey(beam.DoFn):
     _ROUTE = ReadModifyWriteStateSpec("route", BooleanCoder())
 
     def process(self, element: tuple[Any, Any], _route: Any = beam.DoFn.StateParam(_ROUTE)) -> Any:
-        yield element
+        return (element,)  # a tuple, not a generator per element
 
 
 def bundle_partials(
