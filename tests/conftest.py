@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,9 +18,14 @@ import pytest
 from beamflow.kafka.pool import PROCESS_POOL
 from beamflow.services import ServiceSet, ServiceState
 from beamflow.services.paths import cache_dir, project_root
+from runners.prism import ensure_prism
 
 pytest_plugins: list[str] = []
 SERVICE_FIXTURES = ("kafka", "postgres", "registry", "flink")
+# What a test may wait for, in the order each is ready on a fresh machine (a bare clone on 2 cores: PostgreSQL from
+# Debian's packages and Kafka within a minute, Prism's Go build about a minute, the registry's Quarkus build about
+# four, Flink's distribution, jars and boot build about five; see pytest_collection_modifyitems).
+READY_ORDER = ("postgres", "kafka", "prism", "registry", "flink")
 
 
 def _test_data() -> Path:
@@ -29,9 +35,38 @@ def _test_data() -> Path:
 def pytest_collection_finish(session: pytest.Session) -> None:
     # The services the selected tests use are installed in the background from the start (on a fresh machine: minutes
     # of downloads and builds each, otherwise stamp checks), so the first tests do not wait for all of them in turn.
-    needed = {name for item in session.items for name in getattr(item, "fixturenames", ()) if name in SERVICE_FIXTURES}
-    if needed:
+    needed = {name for item in session.items for name in getattr(item, "fixturenames", ()) if name in READY_ORDER}
+    if needed & set(SERVICE_FIXTURES):
         ServiceSet(data=_test_data(), cache=cache_dir()).prefetch([n for n in SERVICE_FIXTURES if n in needed])
+    if "prism" in needed:
+        threading.Thread(target=_build_prism, name="prefetch-prism", daemon=True).start()
+
+
+def _build_prism() -> None:
+    try:
+        ensure_prism()
+    except Exception as exc:  # the prism fixture builds again and raises it where it is needed
+        logging.getLogger(__name__).warning("prefetching prism failed: %s", exc)
+
+
+def module_order(needs: dict[str, set[str]]) -> list[str]:
+    """Test modules (each with the services it needs) in the order they should run: modules needing nothing first,
+    then by the last-ready service each needs (``READY_ORDER``), otherwise as collected.
+
+    On a fresh machine the prefetch installs everything in the background; run in collection order, the first
+    end-to-end test waited about four minutes for the registry while the unit tests, which need nothing, came last.
+    Whole modules move, never single tests, so a module's fixtures are set up once.
+    """
+    rank = {name: i + 1 for i, name in enumerate(READY_ORDER)}
+    return sorted(needs, key=lambda module: max((rank[n] for n in needs[module] if n in rank), default=0))
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    needs: dict[str, set[str]] = {}
+    for item in items:
+        needs.setdefault(str(item.path), set()).update(getattr(item, "fixturenames", ()))
+    position = {module: i for i, module in enumerate(module_order(needs))}
+    items.sort(key=lambda item: position[str(item.path)])  # stable: each module's tests keep their order
 
 
 @pytest.fixture(scope="session")
@@ -88,3 +123,10 @@ def registry(service_set: ServiceSet) -> ServiceState:
 @pytest.fixture(scope="session")
 def flink(service_set: ServiceSet) -> ServiceState:
     return _up(service_set, "flink")
+
+
+@pytest.fixture(scope="session")
+def prism() -> Path:
+    """Prism, Beam's portable local runner, built from the Go module proxy (``runners.prism``); tests on it take this
+    fixture so the build is prefetched and scheduled like the services'."""
+    return ensure_prism()

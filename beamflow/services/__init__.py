@@ -48,8 +48,8 @@ class ServiceSet:
         On a fresh machine the installs are downloads and builds that take minutes each; run one after the other
         they delay the first test by all of them. Three threads: PostgreSQL (Debian's packages), Flink (its own
         Maven repository, ``fetch.FLINK_MAVEN_REPO``), and Kafka then the registry (one shared Maven repository,
-        which Maven 3.8 does not lock, so never two at once). A failed prefetch is only logged: ``up`` installs
-        again and raises the real error where it is needed.
+        which Maven does not lock across processes, so never two at once). A failed prefetch is only logged: ``up``
+        installs again and raises the real error where it is needed.
         """
         groups = [[n for n in names if n in group] for group in (["postgres"], ["flink"], ["kafka", "registry"])]
         threads = []

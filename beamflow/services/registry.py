@@ -53,6 +53,7 @@ from beamflow.services.base import (
     start_process,
     stop_process_group,
 )
+from beamflow.services.fetch import mvn
 from beamflow.services.tls import self_signed_certificate
 
 __all__ = ["APICURIO_VERSION", "RegistryService"]
@@ -141,17 +142,14 @@ class RegistryService(LocalService):
         stamp = self.dist_dir / ".complete"
         if stamp.exists() and self.runner_jar.exists():
             return
-        if shutil.which("mvn") is None or shutil.which("java") is None:
-            raise ServiceError("building Apicurio Registry needs `mvn` and `java` (17+) on PATH")
         build = self.cache_dir / "apicurio" / f"build-{APICURIO_VERSION}"
         shutil.rmtree(build, ignore_errors=True)
         build.mkdir(parents=True)
         (build / "pom.xml").write_text(_POM.format(apicurio=APICURIO_VERSION, quarkus=QUARKUS_VERSION))
         (build / "settings.xml").write_text(_SETTINGS)
         cmd = [
-            "mvn",
+            *mvn(self.cache_dir),
             "-q",
-            "-B",
             "-s",
             str(build / "settings.xml"),
             "-f",

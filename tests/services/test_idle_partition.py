@@ -15,7 +15,7 @@ from beamflow.services import ServiceState
 from runners.prism import prism_options
 from transforms.read_from_kafka import ReadFromKafka, StopPolicy
 
-pytestmark = pytest.mark.services
+pytestmark = [pytest.mark.services, pytest.mark.usefixtures("prism")]
 
 
 class _RecordFiring(beam.DoFn):

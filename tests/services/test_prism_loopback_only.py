@@ -33,7 +33,7 @@ from runners.prism import (
 )
 from tests.sockets import Bound, SocketGate, bound_sockets, with_descendants
 
-pytestmark = pytest.mark.services
+pytestmark = [pytest.mark.services, pytest.mark.usefixtures("prism")]
 
 _JOB_SERVICE = "go/pkg/beam/runners/prism/internal/jobservices/server.go"
 _WORKER = "go/pkg/beam/runners/prism/internal/worker/worker.go"

@@ -69,7 +69,7 @@ def test_prefetch_overlaps_installs_but_never_two_users_of_one_maven_repository(
     for thread in recording.prefetch(["kafka", "postgres", "registry", "flink"]):
         thread.join(10)
     assert sorted(r[0] for r in RECORD) == ["flink", "kafka", "postgres", "registry"]
-    assert not _overlap("kafka", "registry")  # one shared Maven repository (Maven 3.8 does not lock it)
+    assert not _overlap("kafka", "registry")  # one shared Maven repository (Maven does not lock it across processes)
     assert _overlap("flink", "kafka") and _overlap("postgres", "kafka")
 
 
@@ -101,3 +101,26 @@ def test_up_waits_for_an_install_of_the_same_cache_in_another_process(recording:
         proc.wait(30)
     [(_, started, _)] = [r for r in RECORD if r[0] == "flink"]
     assert started - held_at >= 1.0  # the other process's install was waited for
+
+
+def test_modules_needing_nothing_run_first_then_by_the_last_ready_service_they_need() -> None:
+    from tests.conftest import module_order
+
+    needs = {
+        "e2e": {"kafka", "registry", "tmp_path"},
+        "flink_drills": {"flink", "kafka"},
+        "unit_a": {"tmp_path"},
+        "postgres_only": {"postgres"},
+        "prism_stream": {"prism", "kafka"},
+        "kafka_only": {"kafka", "postgres"},
+        "unit_b": set(),
+    }
+    assert module_order(needs) == [
+        "unit_a",
+        "unit_b",
+        "postgres_only",
+        "kafka_only",
+        "prism_stream",
+        "e2e",
+        "flink_drills",
+    ]
