@@ -22,9 +22,10 @@ from runners.prism import ensure_prism
 
 pytest_plugins: list[str] = []
 SERVICE_FIXTURES = ("kafka", "postgres", "registry", "flink")
-# What a test may wait for, in the order each is ready on a fresh machine (a bare clone on 2 cores: PostgreSQL from
-# Debian's packages and Kafka within a minute, Prism's Go build about a minute, the registry's Quarkus build about
-# four, Flink's distribution, jars and boot build about five; see pytest_collection_modifyitems).
+# What a test may wait for, in the order each is ready on a fresh machine (a bare clone on 2 cores, the prefetch's
+# threads side by side: PostgreSQL from Debian's packages and Kafka within a minute, Prism's Go build about a minute,
+# the registry's Quarkus build at 77 s, Flink's distribution, jars and boot build at 167 s; see
+# pytest_collection_modifyitems).
 READY_ORDER = ("postgres", "kafka", "prism", "registry", "flink")
 
 
