@@ -19,6 +19,7 @@ from beamflow.kafka.pool import PROCESS_POOL
 from beamflow.services import ServiceSet, ServiceState
 from beamflow.services.paths import cache_dir, project_root
 from runners.prism import ensure_prism
+from tests.tiers import TIERS
 
 pytest_plugins: list[str] = []
 SERVICE_FIXTURES = ("kafka", "postgres", "registry", "flink")
@@ -36,6 +37,8 @@ def _test_data() -> Path:
 def pytest_collection_finish(session: pytest.Session) -> None:
     # The services the selected tests use are installed in the background from the start (on a fresh machine: minutes
     # of downloads and builds each, otherwise stamp checks), so the first tests do not wait for all of them in turn.
+    if session.config.option.collectonly:
+        return  # nothing will run
     needed = {name for item in session.items for name in getattr(item, "fixturenames", ()) if name in READY_ORDER}
     if needed & set(SERVICE_FIXTURES):
         ServiceSet(data=_test_data(), cache=cache_dir()).prefetch([n for n in SERVICE_FIXTURES if n in needed])
@@ -62,10 +65,32 @@ def module_order(needs: dict[str, set[str]]) -> list[str]:
     return sorted(needs, key=lambda module: max((rank[n] for n in needs[module] if n in rank), default=0))
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--tier",
+        choices=("all", *TIERS),
+        default="all",
+        help="run only the modules that need the Flink cluster (flink) or only the others (other); tests/tiers.py "
+        "runs both side by side",
+    )
+
+
+def in_tier(tier: str, needs: set[str]) -> bool:
+    """Whether a module needing ``needs`` belongs to ``tier``: whole modules, by whether any test needs Flink."""
+    return tier == "all" or (tier == "flink") == ("flink" in needs)
+
+
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     needs: dict[str, set[str]] = {}
     for item in items:
         needs.setdefault(str(item.path), set()).update(getattr(item, "fixturenames", ()))
+    tier = config.getoption("tier")
+    if tier != "all":
+        deselected = [item for item in items if not in_tier(tier, needs[str(item.path)])]
+        if deselected:
+            config.hook.pytest_deselected(items=deselected)
+            items[:] = [item for item in items if in_tier(tier, needs[str(item.path)])]
+        needs = {module: need for module, need in needs.items() if in_tier(tier, need)}
     position = {module: i for i, module in enumerate(module_order(needs))}
     items.sort(key=lambda item: position[str(item.path)])  # stable: each module's tests keep their order
 
