@@ -10,6 +10,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -93,6 +94,28 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         needs = {module: need for module, need in needs.items() if in_tier(tier, need)}
     position = {module: i for i, module in enumerate(module_order(needs))}
     items.sort(key=lambda item: position[str(item.path)])  # stable: each module's tests keep their order
+
+
+_MODULE_SECONDS: dict[str, float] = {}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    start = time.monotonic()
+    yield
+    module = item.nodeid.split("::", 1)[0]
+    _MODULE_SECONDS[module] = _MODULE_SECONDS.get(module, 0.0) + time.monotonic() - start
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Each module's wall time, its fixtures' setup and teardown included: what tests/tiers.py balances."""
+    if not _MODULE_SECONDS:
+        return
+    terminalreporter.section("slowest modules (setup, calls and teardown)")
+    slowest = sorted(_MODULE_SECONDS.items(), key=lambda kv: -kv[1])
+    for module, seconds in slowest[:12]:
+        terminalreporter.write_line(f"{seconds:8.1f}s {module}")
+    terminalreporter.write_line(f"{sum(_MODULE_SECONDS.values()):8.1f}s in all {len(slowest)} modules")
 
 
 @pytest.fixture(scope="session")
