@@ -2,7 +2,8 @@
 produce-to-visible latency, against the DirectRunner job on the same data, measured and audited in one run.
 
     BEAMFLOW_DATA=$PWD/.data/bench-flink .venv/bin/python -m benchmarks.flink_streaming \
-        [--events 200000] [--live-rate 500] [--parallelism 1,2] [--json F] [--plot docs/flink_streaming.png]
+        [--events 200000] [--live-rate 500] [--parallelism 1,2] [--rounds 1] [--json F] \
+        [--plot docs/flink_streaming.png]
 
 Every variant gets its own topic, consumer group, PostgreSQL tables (sessions, dead letters, quarantine, first copies)
 and Iceberg table, and the same backlog: ``beamflow.generate`` traffic with its defaults (skew, late and too-late
@@ -1009,6 +1010,23 @@ def report(figures: dict[str, Any]) -> list[str]:
     return lines
 
 
+def rounds_report(per_round: list[dict[str, float | None]]) -> list[str]:
+    """Each round's p2 / p1 (its two variants run minutes apart), their median and how many rounds met the goal."""
+    lines = ["\nper round (p1 and p2 of a round run back to back):"]
+    for key, what in (("p2_over_p1", "by committed offsets"), ("p2_over_p1_visible", "by Iceberg visibility")):
+        found = [ratios.get(key) for ratios in per_round]
+        values = [x for x in found if x is not None]
+        if not values:
+            continue
+        lines.append(
+            f"  p2 / p1 {what}: "
+            + ", ".join(f"{x:.2f}" if x is not None else "?" for x in found)
+            + f"; median {statistics.median(values):.2f}; goal 1.7 met in {sum(x >= 1.7 for x in values)} of "
+            f"{len(values)} rounds"
+        )
+    return lines
+
+
 def plot(figures: dict[str, Any], path: str) -> None:
     import matplotlib
 
@@ -1084,6 +1102,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=2400, help="seconds a variant may take to catch up")
     parser.add_argument("--no-direct", action="store_true", help="skip the DirectRunner baseline")
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the parallelism list this many times, interleaved (p1, p2, p1, p2, ...): each round's own p2 / p1 "
+        "and their median are printed, as the pace of a shared machine drifts between runs",
+    )
+    parser.add_argument(
         "--flink-set",
         action="append",
         default=[],
@@ -1146,17 +1171,35 @@ def main(argv: list[str] | None = None) -> int:
         if a["problems"]:
             problems["direct"] = a["problems"]
         print(f"direct done: {direct['seconds']:.1f}s, audit {a['problems'] or 'OK'}", flush=True)
-    for p in (int(x) for x in args.parallelism.split(",")):
-        v = run_streaming(f"p{p}", p, states, backlog, args, workdir)
-        (workdir / f"p{p}.json").write_text(json.dumps(v, default=str))
-        v["load"] = os.getloadavg()[0]
-        figures["streaming"].append(v)
-        if v["problems"]:
-            problems[v["label"]] = v["problems"]
-        print(f"p{p} done: caught up in {v['catch_up_s']:.0f}s, audit {v['problems'] or 'OK'}", flush=True)
+    rounds: list[list[dict[str, Any]]] = []
+    for r in range(1, args.rounds + 1):
+        variants = []
+        for p in (int(x) for x in args.parallelism.split(",")):
+            v = run_streaming(f"p{p}", p, states, backlog, args, workdir)
+            (workdir / f"p{p}-round{r}.json").write_text(json.dumps(v, default=str))
+            v["load"] = os.getloadavg()[0]
+            v["round"] = r
+            variants.append(v)
+            if v["problems"]:
+                problems[f"{v['label']} round {r}"] = v["problems"]
+            print(
+                f"p{p} round {r} done: caught up in {v['catch_up_s']:.0f}s, audit {v['problems'] or 'OK'}", flush=True
+            )
+        rounds.append(variants)
     figures["load_at_end"] = os.getloadavg()
-    for line in report(figures):
-        print(line)
+    figures["rounds"] = []
+    for r, variants in enumerate(rounds, 1):
+        # Each round reported in full against the same DirectRunner figure; the last round's variants are the ones
+        # plotted.
+        figures["streaming"] = variants
+        if len(rounds) > 1:
+            print(f"\n===== round {r} of {len(rounds)} =====")
+        for line in report(figures):
+            print(line)
+        figures["rounds"].append({"ratios": figures["ratios"], "variants": variants})
+    if len(rounds) > 1:
+        for line in rounds_report([entry["ratios"] for entry in figures["rounds"]]):
+            print(line)
     for name, found in problems.items():
         print(f"AUDIT PROBLEM ({name}): {'; '.join(found)}")
     print("\nrun INVALID: an audit failed" if problems else "\naudit: every variant clean; the run is valid")
