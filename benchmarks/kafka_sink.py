@@ -240,6 +240,7 @@ def main() -> None:
         _timed(step)
     feed = 0.0
     paired: dict[str, list[float]] = {}  # per round: sink alone / bare loop, the three measured back to back
+    rounds: list[str] = []  # per round: what each of the three measured, and the claims' share (exactly-once)
     eos_seconds = 0.0
     steps: dict[str, float] = {}
     try:
@@ -261,7 +262,15 @@ def main() -> None:
                 topic = fresh_topic()
                 before = dict(STEP_SECONDS)
                 rate = transform(bootstrap, dsn, topic, total, size, mode, args.shards, args.batch)
-                paired.setdefault(mode, []).append(_sink_alone(total, rate, round_feed) / round_bare)
+                alone = _sink_alone(total, rate, round_feed)
+                paired.setdefault(mode, []).append(alone / round_bare)
+                claims = STEP_SECONDS.get("_claim", 0.0) - before.get("_claim", 0.0)
+                rounds.append(
+                    f"  {mode} round {len(paired[mode])}: feed {total / round_feed:.1f}s, bare loop {round_bare:,.0f} "
+                    f"rec/s, transform {rate:,.0f} rec/s, sink alone {alone:,.0f} rec/s ({alone / round_bare:.2f})"
+                    + (f", ledger claims {1e6 * claims / total:.0f} us/record" if mode == "exactly-once" else "")
+                    + f"; load {os.getloadavg()[0]:.1f}"
+                )
                 if rate > full:
                     full = rate
                     if mode == "exactly-once":  # the breakdown of the best run
@@ -289,12 +298,15 @@ def main() -> None:
     # whose pace drifts (the bare transactional loop alone moved 1.8x between runs). Each round's own ratio compares
     # runs made within seconds of each other.
     for mode, _bare, _full, _steady, goal in rows:
-        ratios = sorted(paired[mode])
+        ratios = paired[mode]
         met = sum(r >= goal for r in ratios)
         print(
             f"{mode}: sink alone / bare loop per round {', '.join(f'{r:.2f}' for r in paired[mode])}; median "
             f"{statistics.median(ratios):.2f}; goal {goal} met in {met} of {len(ratios)} rounds"
         )
+    print("each round (the feed, the bare loop and the transform run back to back):")
+    for line in rounds:
+        print(line)
     print(
         f"where the time goes: feed (same pipeline, no-op sink) {total / feed:.1f}s = {1e6 / feed:.0f} us/record; "
         f"exactly-once best run {eos_seconds:.1f}s, writer steps summed over {args.shards} shard threads: "

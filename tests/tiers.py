@@ -17,6 +17,7 @@ single pytest process instead (a selection is usually one tier anyway).
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -69,21 +70,32 @@ def finish(run: TierRun) -> TierRun:
     return run
 
 
+def _stop_on_sigterm(runs: list[TierRun]) -> None:
+    """A SIGTERM (CI's timeout, ``kill``) reaches this process only: each tier gets a SIGINT, on which pytest tears
+    its session down and stops its services. A terminal's Ctrl-C already reaches both tiers (same process group), so
+    this process then only waits for them to finish their teardown."""
+
+    def stop(signum: int, _frame: object) -> None:
+        for run in runs:
+            if run.process.poll() is None:
+                run.process.send_signal(signal.SIGINT)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def main(args: list[str]) -> int:
     logs = ROOT / ".data" / "test-logs"
     logs.mkdir(parents=True, exist_ok=True)
     # The Flink tier starts first: its services take longest to get ready on a fresh machine.
     flink = start("flink", args, logs / "flink-tier.log")
     print(f"[tiers] the Flink tier runs beside this one; its output: {flink.log} (printed when it ends)", flush=True)
-    try:
-        other = finish(start("other", args, None))
-        if flink.process.poll() is None:
-            print("[tiers] the other tier is done; waiting for the Flink tier", flush=True)
-        finish(flink)
-    except KeyboardInterrupt:
-        flink.process.terminate()
-        flink.process.wait()
-        raise
+    other = start("other", args, None)
+    _stop_on_sigterm([flink, other])  # after both started: an ignored SIGINT would be inherited by them
+    finish(other)
+    if flink.process.poll() is None:
+        print("[tiers] the other tier is done; waiting for the Flink tier", flush=True)
+    finish(flink)
     assert flink.log is not None
     sys.stdout.write(f"\n[tiers] ===== the Flink tier's output ({flink.log}) =====\n")
     sys.stdout.flush()

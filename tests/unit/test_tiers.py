@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -45,3 +47,48 @@ def test_the_tiers_together_collect_the_whole_suite_once(tmp_path: Path) -> None
 def test_each_tier_has_its_own_services() -> None:
     folders = {tier: tier_env(tier, {"BEAMFLOW_TEST_DATA": "/srv/ci/test"})["BEAMFLOW_TEST_DATA"] for tier in TIERS}
     assert folders == {"other": "/srv/ci/test", "flink": "/srv/ci/test-flink"}
+
+
+_WAITER = """
+import signal, sys, time
+from pathlib import Path
+stopped = Path(sys.argv[1])
+def on_sigint(*_):
+    stopped.write_text("SIGINT")  # pytest's KeyboardInterrupt: its session's teardown stops the services
+    sys.exit(2)
+signal.signal(signal.SIGINT, on_sigint)
+Path(sys.argv[2]).write_text("ready")
+time.sleep(60)
+"""
+
+_PARENT = """
+import subprocess, sys, time
+from pathlib import Path
+from tests.tiers import TierRun, _stop_on_sigterm, finish
+folder = Path(sys.argv[1])
+runs = [
+    TierRun(tier, subprocess.Popen([sys.executable, "-c", sys.argv[2], str(folder / tier), str(folder / f"{tier}.up")]),
+            time.monotonic(), None)
+    for tier in ("other", "flink")
+]
+_stop_on_sigterm(runs)
+(folder / "parent.up").write_text("ready")
+print([finish(run).rc for run in runs])
+"""
+
+
+def test_a_sigterm_stops_both_tiers_through_their_teardown(tmp_path: Path) -> None:
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _PARENT, str(tmp_path), _WAITER], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / name).exists() for name in ("parent.up", "other.up", "flink.up")):
+        assert time.monotonic() < deadline and parent.poll() is None, "the tiers never started"
+        time.sleep(0.1)
+    parent.send_signal(signal.SIGTERM)
+    out, _ = parent.communicate(timeout=30)
+    assert parent.returncode == 0 and out.strip() == "[2, 2]", out
+    assert {tier: (tmp_path / tier).read_text() for tier in ("other", "flink")} == {
+        "other": "SIGINT",
+        "flink": "SIGINT",
+    }
