@@ -108,7 +108,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """Each module's wall time, its fixtures' setup and teardown included: what tests/tiers.py balances."""
+    """Each module's wall time, its fixtures' setup and teardown included: the figures to split the tiers by
+    (tests/tiers.py)."""
     if not _MODULE_SECONDS:
         return
     terminalreporter.section("slowest modules (setup, calls and teardown)")
