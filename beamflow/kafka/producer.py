@@ -431,10 +431,19 @@ class ShardLedger:
     record id (``ledger_key``: a short fixed-size key keeps the index small whatever ids look like; text, because
     psycopg adapts a text array several times faster than a bytea array); ``<table>_shards``
     (sink_group, shard) -> (topic, attempt, pending, committed); ``<table>_attempts`` (sink_group, shard, attempt) ->
-    written_at, one row per claimed attempt, so the big table needs no timestamp column nor a second index. Ids older
-    than ``retention_s`` are pruned (at most every ``prune_every_s`` per writer): a record replayed after that long
-    is written again, so keep it longer than the longest outage plus the job's replay window (the source's offset lag
-    at a restore).
+    (written_at, aborted), one row per claimed attempt, so the big table needs no timestamp column.
+
+    Every record written costs one row and one index entry (its primary key), nothing more: the claim is the sink's
+    largest cost per record. So an aborted attempt's ids are not deleted (that needs an index by attempt, a second
+    entry per id: a third of the claim's time, measured); its ``_attempts`` row is marked ``aborted`` and a claim
+    takes an id found under an aborted attempt as new. (Ledgers written by beamflow before this format had that index;
+    ``create`` drops it. An older beamflow must not write a ledger this one has written: it would take the ids of an
+    aborted attempt as written.)
+
+    Ids older than ``retention_s`` are pruned: a record replayed after that long is written again, so keep it longer
+    than the longest outage plus the job's replay window (the source's offset lag at a restore). Pruning scans the
+    table (no index by age), so it runs only once some attempt is older than the retention plus a tenth of it: the
+    table holds up to 1.1 retentions, and a writer looks at most every ``prune_every_s``.
     """
 
     def __init__(
@@ -469,14 +478,15 @@ class ShardLedger:
                 f"CREATE TABLE IF NOT EXISTS {self.table} (sink_group text NOT NULL, record_key text NOT NULL, "
                 "shard integer NOT NULL, attempt bigint NOT NULL, PRIMARY KEY (sink_group, record_key))"
             )
-            # Forgetting an aborted attempt and pruning old ones both delete by (group, shard, attempt).
-            conn.execute(
-                f"CREATE INDEX IF NOT EXISTS {self.table}_attempt ON {self.table} (sink_group, shard, attempt)"
-            )
+            # The earlier format's index by attempt: a second index entry per id, which claims no longer need.
+            conn.execute(f"DROP INDEX IF EXISTS {self.table}_attempt")
             conn.execute(
                 f"CREATE TABLE IF NOT EXISTS {self.table}_attempts (sink_group text NOT NULL, shard integer NOT NULL, "
                 "attempt bigint NOT NULL, written_at timestamptz NOT NULL DEFAULT now(), "
-                "PRIMARY KEY (sink_group, shard, attempt))"
+                "aborted boolean NOT NULL DEFAULT false, PRIMARY KEY (sink_group, shard, attempt))"
+            )
+            conn.execute(
+                f"ALTER TABLE {self.table}_attempts ADD COLUMN IF NOT EXISTS aborted boolean NOT NULL DEFAULT false"
             )
             conn.execute(
                 f"CREATE TABLE IF NOT EXISTS {self.table}_shards (sink_group text NOT NULL, shard integer NOT NULL, "
@@ -486,13 +496,22 @@ class ShardLedger:
         self._created = True
 
     def prune(self, sink_group: str) -> int:
-        """Deletes the group's ids older than the retention; returns how many. One pruner per group at a time (the
-        others skip: concurrent deletes of the same rows could deadlock), never an id of a pending attempt."""
+        """Deletes the group's ids older than the retention once some are older than 1.1 retentions; returns how
+        many. One pruner per group at a time (the others skip: concurrent deletes of the same rows could deadlock),
+        never an id of a pending attempt."""
         with self.pool.connection() as conn, conn.transaction():
             got = conn.execute(
                 "SELECT pg_try_advisory_xact_lock(hashtext(%s))", (f"beamflow-prune:{self.table}:{sink_group}",)
             ).fetchone()
             if not got or not got[0]:
+                return 0
+            # The delete below scans the whole table: only when there is enough to delete (class docstring).
+            due = conn.execute(
+                f"SELECT 1 FROM {self.table}_attempts WHERE sink_group = %s "
+                "AND written_at < now() - make_interval(secs => %s) LIMIT 1",
+                (sink_group, float(self.retention_s) * 1.1),
+            ).fetchone()
+            if due is None:
                 return 0
             # A shard's attempts are numbered in time order (under its row lock), so "written before the cutoff" is
             # "attempt <= the newest attempt written before it", per shard.
@@ -608,21 +627,35 @@ class ExactlyOnceShardWriter:
         """Called at each step of a write ("claimed", "produced", "committed", "done"); tests kill the process here."""
 
     def _claim_ids(self, conn: Any, keys: list[str], attempt: int) -> list[str]:
-        """Records under ``attempt`` those of ``keys`` the ledger does not hold yet; if any, registers the attempt and
-        marks the shard pending with it. Returns the others, the replays: usually none, so the answer is one NULL,
-        not a row per new key for the client to read (a tenth of the claim's client time at 1,000 keys). One
-        statement, one round trip: each id is looked up and inserted by one index probe. (A test overrides it to
-        break the sink.)"""
+        """Records under ``attempt`` those of ``keys`` the ledger does not hold as written (absent, or held under an
+        aborted attempt); if any, registers the attempt and marks the shard pending with it. Returns the others, the
+        replays: usually none, so the answer is one NULL, not a row per new key for the client to read (a tenth of the
+        claim's client time at 1,000 keys). One statement, one round trip.
+
+        The ids are looked up first and the new ones inserted plainly: ``INSERT ... ON CONFLICT DO NOTHING`` costs
+        about twice a plain insert per row (a speculative insertion: an extra index probe and WAL record). No other
+        writer inserts the same ids meanwhile: a shard's claims hold its row lock (``_claim``), and a result's shard
+        is a hash of its key (else its id). Were it to happen anyway (an ``id_fn`` giving one id to results with
+        different keys), the insert fails on the primary key and the bundle is retried, never skipped. (A test
+        overrides this to break the sink.)"""
         table = self.ledger.table
         row = conn.execute(
-            f"WITH new AS (INSERT INTO {table} (sink_group, record_key, shard, attempt) "
+            f"WITH found AS (SELECT r.record_key, a.aborted IS NOT NULL AS stale FROM {table} AS r "
+            f"LEFT JOIN {table}_attempts AS a ON a.sink_group = r.sink_group AND a.shard = r.shard "
+            "AND a.attempt = r.attempt AND a.aborted "
+            "WHERE r.sink_group = %(group)s AND r.record_key = ANY(%(keys)s::text[])), "
+            f"new AS (INSERT INTO {table} (sink_group, record_key, shard, attempt) "
             "SELECT %(group)s, k, %(shard)s, %(attempt)s FROM unnest(%(keys)s::text[]) AS k "
-            "ON CONFLICT DO NOTHING RETURNING record_key), "
+            "WHERE k NOT IN (SELECT record_key FROM found) RETURNING 1), "
+            f"retaken AS (UPDATE {table} SET shard = %(shard)s, attempt = %(attempt)s WHERE sink_group = %(group)s "
+            "AND record_key IN (SELECT record_key FROM found WHERE stale) RETURNING 1), "
             f"registered AS (INSERT INTO {table}_attempts (sink_group, shard, attempt) "
-            "SELECT %(group)s, %(shard)s, %(attempt)s WHERE EXISTS (SELECT 1 FROM new)), "
+            "SELECT %(group)s, %(shard)s, %(attempt)s WHERE EXISTS (SELECT 1 FROM new) "
+            "OR EXISTS (SELECT 1 FROM retaken)), "
             f"pending AS (UPDATE {table}_shards SET attempt = %(attempt)s, pending = true "
-            "WHERE sink_group = %(group)s AND shard = %(shard)s AND EXISTS (SELECT 1 FROM new)) "
-            "SELECT array_agg(k) FROM unnest(%(keys)s::text[]) AS k WHERE k NOT IN (SELECT record_key FROM new)",
+            "WHERE sink_group = %(group)s AND shard = %(shard)s "
+            "AND (EXISTS (SELECT 1 FROM new) OR EXISTS (SELECT 1 FROM retaken))) "
+            "SELECT array_agg(record_key) FROM found WHERE NOT stale",
             {"group": self.sink_group, "shard": self.shard, "attempt": attempt, "keys": text_array(keys)},
         ).fetchone()
         return list(row[0]) if row and row[0] else []
@@ -860,8 +893,10 @@ class ExactlyOnceShardWriter:
         self._probe(marker)  # from here on, attempt `attempt` cannot commit any more
         self.stats.recovered_aborted += 1
         log.info("shard %s: pending attempt %s was aborted; its ids are forgotten", self.shard, attempt)
+        # Marked, not deleted (``ShardLedger``): a claim takes an id held under an aborted attempt as new.
         conn.execute(
-            f"DELETE FROM {table} WHERE sink_group = %s AND shard = %s AND attempt = %s",
+            f"INSERT INTO {table}_attempts (sink_group, shard, attempt, aborted) VALUES (%s, %s, %s, true) "
+            "ON CONFLICT (sink_group, shard, attempt) DO UPDATE SET aborted = true",
             (self.sink_group, self.shard, attempt),
         )
         conn.execute(

@@ -322,6 +322,44 @@ def test_ledger_pruning_forgets_old_ids_but_never_a_pending_attempt(
         ledger.close()
 
 
+def test_an_earlier_ledger_is_migrated_and_its_ids_still_recognised(
+    kafka: ServiceState, topic: str, postgres: ServiceState
+) -> None:
+    # A ledger in the earlier format (an index by attempt, no aborted column), holding ids the earlier sink wrote
+    # and committed: after the upgrade those records are still replays, and each new id costs one index entry.
+    import psycopg
+
+    table, group = f"ledger_{uuid.uuid4().hex[:8]}", f"upgrade-{uuid.uuid4().hex[:6]}"
+    records = _records(30)
+    old = ShardLedger(postgres.info["dsn"], table)
+    writer = ExactlyOnceShardWriter(kafka.info["bootstrap"], topic, group, 0, old)
+    try:
+        writer.write(records[:20])
+    finally:
+        writer.close()
+        old.close()
+    with psycopg.connect(postgres.info["dsn"], autocommit=True) as conn:
+        conn.execute(f"CREATE INDEX {table}_attempt ON {table} (sink_group, shard, attempt)")
+        conn.execute(f"ALTER TABLE {table}_attempts DROP COLUMN aborted")
+    upgraded = ShardLedger(postgres.info["dsn"], table)
+    writer = ExactlyOnceShardWriter(kafka.info["bootstrap"], topic, group, 0, upgraded)
+    try:
+        assert writer.write(records)[0] == 10
+        assert writer.stats.skipped_replays == 20
+    finally:
+        writer.close()
+        upgraded.close()
+    with psycopg.connect(postgres.info["dsn"]) as conn:
+        indexes = conn.execute("SELECT indexname FROM pg_indexes WHERE tablename = %s", (table,)).fetchall()
+        aborted = conn.execute(f"SELECT count(*) FROM {table}_attempts WHERE NOT aborted").fetchone()
+    assert [name for (name,) in indexes] == [f"{table}_pkey"]
+    assert aborted is not None and aborted[0] == 2
+    assert (
+        exactly_once_problems(read_committed(kafka.info["bootstrap"], topic), [r.value for r in records if r.value])
+        == []
+    )
+
+
 # ---- the Beam transform on the local runner ----------------------------------------------------------------------
 
 
