@@ -429,8 +429,8 @@ class WriteToKafka(beam.PTransform):
     Kafka transaction of its shard's producer (``transactional.id = <sink_group>-<shard>``), committed before the
     writer's bundle ends (shards in parallel, one thread each, all joined in ``finish_bundle``), never in a bundle
     finalizer. Before producing, the batch's record ids are checked against and recorded in a PostgreSQL ledger (tables
-    ``ledger_table``, ``<ledger_table>_shards``, ``<ledger_table>_attempts``, created if missing): ids already there are
-    replays and skipped. A crash between the ledger and the Kafka commit leaves the attempt pending; the next writer
+    ``ledger_table``, ``<ledger_table>_shards``, ``<ledger_table>_attempts``, created if missing): ids already written
+    are replays and skipped. A crash between the ledger and the Kafka commit leaves the attempt pending; the next writer
     decides it from a marker committed atomically with the transaction (the sink group's offset on
     ``TopicPartition(topic, shard)``). Zombie writers are fenced by the producer epoch; a fenced writer's bundle fails,
     and its retry starts over (it is not wedged). Why not a transaction per checkpoint (Flink's ``KafkaSink``) or

@@ -15,16 +15,18 @@ So each call of ``ExactlyOnceShardWriter.write`` is one transaction of one shard
 replay is recognised by the records' **ids** (deterministic per result), kept in a PostgreSQL ledger:
 
 1. PostgreSQL (one transaction, the shard's row locked): resolve a pending attempt left by a crash (below); drop the
-   records whose ids the ledger already holds; record the new ids under attempt ``n + 1``; mark the shard pending.
+   records whose ids the ledger holds as written; record the new ids under attempt ``n + 1``; mark the shard pending.
 2. Kafka: ``begin_transaction``, produce, ``send_offsets_to_transaction`` with the marker ``{attempt: n + 1}`` on
    ``TopicPartition(topic, shard)`` of the sink's group (atomically with the records), ``commit_transaction``.
-3. PostgreSQL: clear the pending mark of attempt ``n + 1`` and record it as the shard's last committed attempt.
+3. PostgreSQL: clear the pending mark of attempt ``n + 1`` and record it as the shard's last committed attempt: in
+   the writer's next claim (step 1 of its next write, one transaction fewer per batch) or when it closes. Until then
+   the attempt looks pending, and another writer decides it like any pending attempt (below): committed.
 
-A pending attempt ``n`` found in step 1 is decided by the Kafka marker ``m`` (read with ``require_stable``, so a
-commit in progress is waited for): ``m >= n`` means attempt ``n`` committed (keep its ids). Otherwise it is declared
-aborted (its ids are forgotten; the runner replays its records) only after this writer has committed a *probe*
-transaction (the marker rewritten unchanged): a commit under this producer's epoch proves that every older producer
-of the shard's ``transactional.id`` is fenced, so attempt ``n`` can no longer commit; and a newer producer would have
+A pending attempt ``n`` found in step 1 is decided by the Kafka marker ``m`` (read with ``require_stable``, so a commit
+in progress is waited for): ``m >= n`` means attempt ``n`` committed (keep its ids). Otherwise it is declared aborted
+(its ids no longer count as written; the runner replays its records) only after this writer has committed a *probe*
+transaction (the marker rewritten unchanged): a commit under this producer's epoch proves that every older producer of
+the shard's ``transactional.id`` is fenced, so attempt ``n`` can no longer commit; and a newer producer would have
 fenced the probe, which then fails (``ShardFenced``) and nothing is decided. (Deciding on "this writer has just run
 ``init_transactions``" alone is not enough: with two live writers, the other one may have initialised later, hold the
 newer epoch, and commit attempt ``n`` after the marker was read.)
@@ -616,6 +618,9 @@ class ExactlyOnceShardWriter:
         self._marker_reader: Any = None
         self._group_metadata: Any = None
         self._last_attempt: int | None = None  # the shard's attempt as this writer last left it
+        # An attempt this writer committed in Kafka whose pending mark is still set: the next claim clears it in its
+        # own transaction (``_claim``), which saves a PostgreSQL transaction per batch; ``close`` clears a last one.
+        self._unsettled: int | None = None
         self._checked = False  # the marker was compared with the ledger since this producer started
         self._errors: list[str] = []
         self._fatal: Any = None  # librdkafka's fatal error of the current producer, reported through error_cb
@@ -808,7 +813,10 @@ class ExactlyOnceShardWriter:
             self._drop_producer()
             raise
         self._phase("committed")
-        self._settle(claim.attempt, too_large)
+        if too_large:
+            self._settle(claim.attempt, too_large)
+        else:
+            self._unsettled = claim.attempt
         self._phase("done")
         self.stats.written += len(claim.new) - len(too_large)
         self.stats.dead_letters += len(too_large)
@@ -823,6 +831,7 @@ class ExactlyOnceShardWriter:
         self.stats.fenced += 1
         self._drop_producer()
         self._last_attempt = None
+        self._unsettled = None  # the other writer decides it from the marker
 
     def _claim(self, records: list[ProducerRecord]) -> _Claim:
         """Step 1 (see the module docstring), in one PostgreSQL transaction with the shard's row locked."""
@@ -854,6 +863,15 @@ class ExactlyOnceShardWriter:
                     f"shard {self.shard} of sink group {self.sink_group} was taken over (attempt {attempt}, this "
                     f"writer's last was {self._last_attempt}): this instance is a zombie"
                 )
+            if pending and attempt == self._unsettled:
+                # Step 3 of this writer's last write (``_settle``), done here: it committed that attempt itself, so
+                # nothing needs asking. Attempt numbers are never reused, so the match cannot be another's attempt.
+                conn.execute(
+                    f"UPDATE {table}_shards SET pending = false, committed = %s WHERE sink_group = %s AND shard = %s",
+                    (attempt, self.sink_group, self.shard),
+                )
+                pending, committed = False, attempt
+            self._unsettled = None
             if not self._checked:
                 marker = self.marker()
                 if marker > attempt:
@@ -960,8 +978,9 @@ class ExactlyOnceShardWriter:
             self._errors.append(str(err))
 
     def _settle(self, attempt: int, too_large: list[DeadLetter]) -> None:
-        """Step 3: the attempt committed; clear its pending mark (only if it is still the shard's attempt), and
-        forget the ids of records the producer refused (they went to dead letters, not Kafka)."""
+        """Step 3 on its own (usually the next claim does it, ``_unsettled``): the attempt committed; clear its pending
+        mark (only if it is still the shard's attempt), and forget the ids of records the producer refused (they went
+        to dead letters, not Kafka)."""
         table = self.ledger.table
         with self.ledger.pool.connection() as conn, conn.pipeline(), conn.transaction():  # one round trip
             # Not waiting for the WAL to reach the disk is safe here: a settle lost in a server crash leaves the
@@ -980,6 +999,11 @@ class ExactlyOnceShardWriter:
                 )
 
     def close(self) -> None:
+        if self._unsettled is not None:
+            # Best effort: a mark left set only makes the next writer ask the Kafka marker, which says committed.
+            with contextlib.suppress(Exception):
+                self._settle(self._unsettled, [])
+            self._unsettled = None
         self._drop_producer()
         reader, self._marker_reader = self._marker_reader, None
         if reader is not None:

@@ -322,6 +322,42 @@ def test_ledger_pruning_forgets_old_ids_but_never_a_pending_attempt(
         ledger.close()
 
 
+def test_each_committed_attempt_is_settled_by_the_next_claim_or_by_close(
+    kafka: ServiceState, topic: str, ledger: ShardLedger
+) -> None:
+    # Step 3 rides on the next claim's transaction: the writer never asks the Kafka marker about its own attempts, and
+    # closing settles the last one, so the next writer finds nothing pending.
+    bootstrap, group = kafka.info["bootstrap"], f"settle-{uuid.uuid4().hex[:6]}"
+    batches = _batches(_records(90), 30)
+
+    def shard_row() -> tuple[Any, ...]:
+        with ledger.pool.connection() as conn:
+            row = conn.execute(
+                f"SELECT attempt, pending, committed FROM {ledger.table}_shards WHERE sink_group = %s", (group,)
+            ).fetchone()
+        assert row is not None
+        return tuple(row)
+
+    first = ExactlyOnceShardWriter(bootstrap, topic, group, 0, ledger)
+    try:
+        first.write(batches[0])
+        assert shard_row() == (1, True, 0)  # committed in Kafka, not yet settled
+        first.write(batches[1])
+        assert shard_row() == (2, True, 1)
+    finally:
+        first.close()
+    assert shard_row() == (2, False, 2)
+    second = ExactlyOnceShardWriter(bootstrap, topic, group, 0, ledger)
+    try:
+        second.write(batches[1] + batches[2])
+        assert second.stats.skipped_replays == 30 and second.stats.written == 30
+    finally:
+        second.close()
+    assert (first.stats.recovered_committed, second.stats.recovered_committed) == (0, 0)
+    expected = [r.value for b in batches for r in b if r.value]
+    assert exactly_once_problems(read_committed(bootstrap, topic), expected) == []
+
+
 def test_an_earlier_ledger_is_migrated_and_its_ids_still_recognised(
     kafka: ServiceState, topic: str, postgres: ServiceState
 ) -> None:
