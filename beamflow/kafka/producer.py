@@ -32,9 +32,10 @@ fenced the probe, which then fails (``ShardFenced``) and nothing is decided. (De
 newer epoch, and commit attempt ``n`` after the marker was read.)
 
 The three hard moments: a crash mid-transaction leaves the shard pending and the transaction open; the next writer's
-``init_transactions`` aborts it, the marker says "not committed", the ids are forgotten and the replay writes the
-records. A crash after the commit (before the checkpoint, or before step 3) leaves ids the ledger keeps: the replay
-skips them. A commit after the checkpoint does not exist here: every transaction commits inside its bundle.
+``init_transactions`` aborts it, the marker says "not committed", its ids no longer count as written and the
+replay writes the records. A crash after the commit (before the checkpoint, or before step 3) leaves ids the ledger
+keeps: the replay skips them. A commit after the checkpoint does not exist here: every transaction commits inside
+its bundle.
 
 Refused, because they cannot be made safe: a shard number >= the topic's partition count (the marker lives on the
 partition numbered like the shard; Kafka refuses an offset commit for a partition that does not exist); a sink group
@@ -624,9 +625,9 @@ class ExactlyOnceShardWriter:
         self._marker_reader: Any = None
         self._group_metadata: Any = None
         self._last_attempt: int | None = None  # the shard's attempt as this writer last left it
-        # An attempt this writer committed in Kafka whose pending mark is still set: the next claim clears it in its
-        # own transaction (``_claim``), which saves a PostgreSQL transaction per batch; ``close`` clears a last one.
-        self._unsettled: int | None = None
+        # ``_last_attempt`` committed in Kafka, its pending mark still set: the next claim clears it in its own
+        # transaction (``_claim``), which saves a PostgreSQL transaction per batch; ``close`` clears a last one.
+        self._unsettled = False
         self._checked = False  # the marker was compared with the ledger since this producer started
         self._errors: list[str] = []
         self._fatal: Any = None  # librdkafka's fatal error of the current producer, reported through error_cb
@@ -822,7 +823,7 @@ class ExactlyOnceShardWriter:
         if too_large:
             self._settle(claim.attempt, too_large)
         else:
-            self._unsettled = claim.attempt
+            self._unsettled = True
         self._phase("done")
         self.stats.written += len(claim.new) - len(too_large)
         self.stats.dead_letters += len(too_large)
@@ -837,7 +838,7 @@ class ExactlyOnceShardWriter:
         self.stats.fenced += 1
         self._drop_producer()
         self._last_attempt = None
-        self._unsettled = None  # the other writer decides it from the marker
+        self._unsettled = False  # the other writer decides it from the marker
 
     def _claim(self, records: list[ProducerRecord]) -> _Claim:
         """Step 1 (see the module docstring), in one PostgreSQL transaction with the shard's row locked."""
@@ -869,15 +870,16 @@ class ExactlyOnceShardWriter:
                     f"shard {self.shard} of sink group {self.sink_group} was taken over (attempt {attempt}, this "
                     f"writer's last was {self._last_attempt}): this instance is a zombie"
                 )
-            if pending and attempt == self._unsettled:
+            if pending and self._unsettled:
                 # Step 3 of this writer's last write (``_settle``), done here: it committed that attempt itself, so
-                # nothing needs asking. Attempt numbers are never reused, so the match cannot be another's attempt.
+                # nothing needs asking. The check above made sure the shard's attempt is still that one (attempt
+                # numbers are never reused, so it cannot be another writer's).
                 conn.execute(
                     f"UPDATE {table}_shards SET pending = false, committed = %s WHERE sink_group = %s AND shard = %s",
                     (attempt, self.sink_group, self.shard),
                 )
                 pending, committed = False, attempt
-            self._unsettled = None
+            self._unsettled = False
             if not self._checked:
                 marker = self.marker()
                 if marker > attempt:
@@ -916,7 +918,7 @@ class ExactlyOnceShardWriter:
             )
         self._probe(marker)  # from here on, attempt `attempt` cannot commit any more
         self.stats.recovered_aborted += 1
-        log.info("shard %s: pending attempt %s was aborted; its ids are forgotten", self.shard, attempt)
+        log.info("shard %s: pending attempt %s was aborted; its ids count as new again", self.shard, attempt)
         # Marked, not deleted (``ShardLedger``): a claim takes an id held under an aborted attempt as new.
         conn.execute(
             f"INSERT INTO {table}_attempts (sink_group, shard, attempt, aborted) VALUES (%s, %s, %s, true) "
@@ -1005,11 +1007,11 @@ class ExactlyOnceShardWriter:
                 )
 
     def close(self) -> None:
-        if self._unsettled is not None:
+        if self._unsettled and self._last_attempt is not None:
             # Best effort: a mark left set only makes the next writer ask the Kafka marker, which says committed.
             with contextlib.suppress(Exception):
-                self._settle(self._unsettled, [])
-            self._unsettled = None
+                self._settle(self._last_attempt, [])
+            self._unsettled = False
         self._drop_producer()
         reader, self._marker_reader = self._marker_reader, None
         if reader is not None:

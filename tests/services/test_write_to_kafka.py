@@ -322,6 +322,45 @@ def test_ledger_pruning_forgets_old_ids_but_never_a_pending_attempt(
         ledger.close()
 
 
+def test_pruning_an_aborted_attempt_takes_its_ids_with_it(
+    kafka: ServiceState, topic: str, postgres: ServiceState
+) -> None:
+    # An aborted attempt's ids stay in the ledger, made new again by its `_attempts` row's mark. Pruning must take the
+    # ids with the row: an id whose aborted mark was pruned before it would count as written, and its replay would be
+    # skipped (lost).
+    # Long enough that the writers' own pruning (each writer's first write prunes) finds nothing due before the
+    # sleep below, however slowly a producer starts.
+    ledger = ShardLedger(postgres.info["dsn"], f"ledger_{uuid.uuid4().hex[:8]}", retention_s=4.0)
+    bootstrap, group = kafka.info["bootstrap"], f"prune-aborted-{uuid.uuid4().hex[:6]}"
+    records = _records(25)
+    first = ExactlyOnceShardWriter(bootstrap, topic, group, 0, ledger)
+    second = ExactlyOnceShardWriter(bootstrap, topic, group, 0, ledger)
+    third = ExactlyOnceShardWriter(bootstrap, topic, group, 0, ledger)
+    try:
+        first.write(records[:10])
+        first._claim(records[10:15])  # claimed, never produced: the crash of a writer mid-attempt
+        second.write(records[20:25])  # fences `first` and decides its pending attempt: aborted
+        assert second.stats.recovered_aborted == 1
+        second.close()  # settles its own attempt: nothing pending is left to keep
+        with ledger.pool.connection() as conn:
+            row = conn.execute(
+                f"SELECT count(*) FROM {ledger.table} r JOIN {ledger.table}_attempts a USING (sink_group, shard, "
+                "attempt) WHERE r.sink_group = %s AND a.aborted",
+                (group,),
+            ).fetchone()
+        assert row is not None and row[0] == 5  # the aborted attempt's ids, still there
+        time.sleep(4.5)  # past 1.1 retentions: due
+        assert ledger.prune(group) == 20
+        third.write(records[10:15])  # the aborted records' replay, after the pruning: written, not skipped
+        assert (third.stats.written, third.stats.skipped_replays) == (5, 0)
+    finally:
+        for writer in (first, second, third):
+            writer.close()
+        ledger.close()
+    expected = [r.value for r in records[:15] + records[20:] if r.value]
+    assert exactly_once_problems(read_committed(bootstrap, topic), expected) == []
+
+
 def test_each_committed_attempt_is_settled_by_the_next_claim_or_by_close(
     kafka: ServiceState, topic: str, ledger: ShardLedger
 ) -> None:
