@@ -148,13 +148,16 @@ class SinkFn(beam.DoFn):
         self._latest_micros = MIN_TIMESTAMP.micros  # int micros: compared per element in Python
 
     # The windowed value's int micros, not TimestampParam: Beam resolves each parameter per element through a chain
-    # of comparisons (WindowedValueParam comes first) and builds a Timestamp object for TimestampParam.
-    def process(self, element: Any, windowed: Any = beam.DoFn.WindowedValueParam) -> Iterator[Any]:
+    # of comparisons (WindowedValueParam comes first) and builds a Timestamp object for TimestampParam. Not a
+    # generator: most calls output nothing, and an empty tuple spares a generator's creation and ending per element.
+    def process(self, element: Any, windowed: Any = beam.DoFn.WindowedValueParam) -> Iterable[Any]:
         self.element_micros = micros = windowed.timestamp_micros
         if micros > self._latest_micros:
             self._latest_micros = micros
-        for out in self.add(element):
-            yield TaggedOutput(DEAD_LETTERS, out) if isinstance(out, DeadLetter) else out
+        outputs = self.add(element)
+        if not outputs:
+            return ()
+        return [TaggedOutput(DEAD_LETTERS, out) if isinstance(out, DeadLetter) else out for out in outputs]
 
     def finish_bundle(self) -> Iterator[Any]:
         latest = Timestamp(micros=self._latest_micros)

@@ -15,7 +15,7 @@ Elements are ``beamflow.kafka.producer.ProducerRecord`` or anything ``key_fn``/`
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import replace
 from typing import Any
@@ -358,7 +358,7 @@ class _IdempotentFn(SinkFn):
     def open(self) -> None:
         self._writer = AtLeastOnceWriter(self._bootstrap, self._topic, self._config, self._timeout_s, _STAGE)
 
-    def add(self, element: Any) -> list[DeadLetter]:
+    def add(self, element: Any) -> Sequence[DeadLetter]:
         # Records are made here, not in a step of their own: one Beam step less per element (benchmarks/kafka_sink).
         assert self._writer is not None
         try:

@@ -355,25 +355,35 @@ class AtLeastOnceWriter:
         self._errors: list[str] = []
         self._pending = 0
         self._producer = Producer(config)
+        self._on_delivery = self._delivered  # bound once: ``add`` runs per record
 
     def _delivered(self, err: Any, _msg: Any) -> None:
         if err is not None:
             self._errors.append(str(err))
 
-    def add(self, record: ProducerRecord, timestamp_ms: int | None = None) -> list[DeadLetter]:
+    def add(self, record: ProducerRecord, timestamp_ms: int | None = None) -> Sequence[DeadLetter]:
         """Produces ``record``, stamped ``timestamp_ms`` if given (else its own ``timestamp_ms``); a record the topic
         would refuse or lose (``TopicLimits``) comes back as a dead letter instead."""
-        refused = self.limit.refuse(record, timestamp_ms or record.timestamp_ms)
-        if refused is not None:
-            self.stats.dead_letters += 1
-            return [refused]
+        timestamp_ms = timestamp_ms or record.timestamp_ms
+        value, key = record.value, record.key
+        # Per record, so the common case (no headers, no timestamp to check, clearly small enough) skips the full
+        # check's calls; ``refuse`` decides everything else.
+        if (
+            record.headers
+            or timestamp_ms is not None
+            or (len(value) if value else 0) + (len(key) if key else 0) + _RECORD_OVERHEAD > self.limit.max_bytes
+        ):
+            refused = self.limit.refuse(record, timestamp_ms)
+            if refused is not None:
+                self.stats.dead_letters += 1
+                return [refused]
         try:
-            _produce(self._producer, self.topic, record, self._delivered, timestamp_ms)
+            _produce(self._producer, self.topic, record, self._on_delivery, timestamp_ms)
         except _TooLarge as exc:
             self.stats.dead_letters += 1
             return [self.limit.too_large(record, str(exc))]
         self._pending += 1
-        return []
+        return ()
 
     def flush(self) -> int:
         """Waits for every ack; returns how many records this flush covered."""

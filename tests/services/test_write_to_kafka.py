@@ -40,6 +40,7 @@ from beamflow.kafka.producer import (
     ProducerRecord,
     ShardFenced,
     ShardLedger,
+    record_size,
 )
 from beamflow.services import ServiceState
 from runners.direct import local_options
@@ -710,6 +711,35 @@ def test_a_missing_topic_fails_the_pipeline(kafka: ServiceState) -> None:
         beam.Pipeline(options=local_options()) as p,
     ):
         p | beam.Create([b"x"]) | WriteToKafka(kafka.info["bootstrap"], "no-such-topic", mode="at-least-once")
+
+
+def test_the_at_least_once_engine_refuses_what_the_topic_would_refuse(kafka: ServiceState, topic: str) -> None:
+    # The writer skips the full check for a record with no headers and no timestamp that is clearly small enough;
+    # every other record goes through it. A record too large by its value, or only with its headers counted, and one
+    # stamped beyond the broker's limit come back as dead letters; the others are written.
+    bootstrap = kafka.info["bootstrap"]
+    writer = AtLeastOnceWriter(bootstrap, topic, {"message.max.bytes": 20_000})
+    assert writer.limit.max_bytes <= 20_000
+    now_ms = int(time.time() * 1000)
+    small = ProducerRecord(b"fits", key=b"k")
+    too_big = ProducerRecord(b"v" * 30_000, key=b"k")
+    big_by_headers = ProducerRecord(b"v" * 10_000, key=b"k", headers=(("h", b"x" * 15_000),))
+    too_far_ahead = ProducerRecord(b"future", key=b"k", timestamp_ms=now_ms + 3 * 3600 * 1000)
+    stamped = ProducerRecord(b"stamped", key=b"k")
+    try:
+        assert writer.add(small) == ()
+        # Refused by the writer's own estimate, before the producer (whose refusal is the second line of defence).
+        for record in (too_big, big_by_headers):
+            assert [(d.error, d.reason.split(" bytes")[0]) for d in writer.add(record)] == [
+                ("MSG_SIZE_TOO_LARGE", f"too large for the broker: record of about {record_size(record)}")
+            ]
+        assert [d.error for d in writer.add(too_far_ahead)] == ["INVALID_TIMESTAMP"]
+        assert writer.add(stamped, now_ms) == ()
+        assert writer.flush() == 2
+        assert writer.stats.dead_letters == 3
+    finally:
+        writer.close()
+    assert sorted(read_committed(bootstrap, topic)) == [b"fits", b"stamped"]
 
 
 def test_the_engine_fails_on_delivery_errors(kafka: ServiceState, ledger: ShardLedger) -> None:
