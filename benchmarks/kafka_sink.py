@@ -42,12 +42,8 @@ import apache_beam as beam
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 from beamflow.kafka.admin import create_topic
-from beamflow.kafka.producer import (
-    DEFAULT_PRODUCER_CONFIG,
-    FAILED_REPORTS_ONLY,
-    ExactlyOnceShardWriter,
-    ProducerRecord,
-)
+from beamflow.kafka.exactly_once import ExactlyOnceShardWriter
+from beamflow.kafka.producer import DEFAULT_PRODUCER_CONFIG, FAILED_REPORTS_ONLY, ProducerRecord
 from beamflow.services import ServiceSet
 from beamflow.services.paths import data_dir
 from runners.direct import local_options

@@ -9,7 +9,8 @@ Signature (kept simple and stable: ``pipelines/rides.py`` builds on it):
                  max_in_flight_bytes=64 * 1024 * 1024)``
 
 Elements are ``beamflow.kafka.producer.ProducerRecord`` or anything ``key_fn``/``value_fn`` turn into key and value
-(bytes or str). The engine is ``beamflow/kafka/producer.py`` (no Beam); its module docstring gives the design.
+(bytes or str). The engines (no Beam): ``beamflow/kafka/producer.py`` (records, limits, the at-least-once writer) and
+``beamflow/kafka/exactly_once.py``, whose module docstring gives the exactly-once design.
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ from apache_beam.transforms.window import GlobalWindows
 from apache_beam.utils.timestamp import MAX_TIMESTAMP, MIN_TIMESTAMP
 
 from beamflow.deadletter import DeadLetter, encode_payload
+from beamflow.kafka.exactly_once import ExactlyOnceShardWriter
+from beamflow.kafka.ledger import ShardLedger
 from beamflow.kafka.producer import (
     AtLeastOnceWriter,
-    ExactlyOnceShardWriter,
     ProducerRecord,
-    ShardLedger,
     build_producer_config,
     check_producer_config,
     fetch_topic_limits,

@@ -33,13 +33,13 @@ from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from beamflow.kafka.admin import create_topic, produce
+from beamflow.kafka.exactly_once import ExactlyOnceShardWriter
+from beamflow.kafka.ledger import ShardLedger
 from beamflow.kafka.producer import (
     AtLeastOnceWriter,
-    ExactlyOnceShardWriter,
     KafkaWriteError,
     ProducerRecord,
     ShardFenced,
-    ShardLedger,
     record_size,
 )
 from beamflow.services import ServiceState
@@ -125,7 +125,9 @@ def ledger(postgres: ServiceState) -> Iterator[ShardLedger]:
 # records sit in the broker's log inside the open transaction (what a crash mid-transaction leaves behind).
 _CRASHING_WRITER = """
 import json, os, signal, sys
-from beamflow.kafka.producer import ExactlyOnceShardWriter, ProducerRecord, ShardLedger
+from beamflow.kafka.exactly_once import ExactlyOnceShardWriter
+from beamflow.kafka.ledger import ShardLedger
+from beamflow.kafka.producer import ProducerRecord
 args = json.loads(sys.argv[1])
 
 class Crashing(ExactlyOnceShardWriter):

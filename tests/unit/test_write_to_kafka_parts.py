@@ -13,13 +13,13 @@ from apache_beam.testing.util import assert_that, equal_to
 from apache_beam.transforms.window import TimestampedValue
 from apache_beam.utils.timestamp import MIN_TIMESTAMP
 
+from beamflow.kafka.ledger import ledger_key
 from beamflow.kafka.producer import (
     DEFAULT_PRODUCER_CONFIG,
     ProducerRecord,
     TopicLimits,
     build_producer_config,
     check_producer_config,
-    ledger_key,
     record_size,
     shard_of,
 )
