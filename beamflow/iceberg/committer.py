@@ -363,7 +363,7 @@ class IcebergCommitter:
         self.before_commit = before_commit
         # The keys the table holds, followed commit by commit instead of scanned each time (beamflow.iceberg.known_keys:
         # a per-commit scan grows with the table and stalled a streaming job's checkpoints on a backlog).
-        self.known_keys = KnownKeys(key_column, key_time_column, self._scan_keys) if key_column else None
+        self.known_keys = KnownKeys(key_column, key_time_column, self._scan_columns) if key_column else None
 
     def load(self) -> Table:
         """A fresh handle on the table's current metadata (pyiceberg 0.8.1 never auto-retries commits)."""
@@ -432,11 +432,9 @@ class IcebergCommitter:
         keep = pc.fill_null(pc.greater(batch[f.offset], row_mark), True)  # rows without coordinates: key dedup
         return batch.filter(keep)
 
-    def _scan_keys(self, table: Table, snapshot_id: int, row_filter: Any) -> list[Any]:
-        """The key column's values at ``snapshot_id`` under ``row_filter`` (what ``KnownKeys`` scans a range with)."""
-        assert self.key_column is not None
-        scanned = table.scan(row_filter=row_filter, selected_fields=(self.key_column,), snapshot_id=snapshot_id)
-        return scanned.to_arrow()[self.key_column].to_pylist()
+    def _scan_columns(self, table: Table, snapshot_id: int, row_filter: Any, columns: Sequence[str]) -> pa.Table:
+        """``columns`` at ``snapshot_id`` under ``row_filter`` (what ``KnownKeys`` scans a range with)."""
+        return table.scan(row_filter=row_filter, selected_fields=tuple(columns), snapshot_id=snapshot_id).to_arrow()
 
     def _attempt(self, batch: pa.Table, incoming_marks: Marks, result: CommitResult) -> None:
         try:

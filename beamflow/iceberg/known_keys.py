@@ -13,84 +13,97 @@ Exactness: the answer for a key in a covered range is the table's content at the
 - only ``append`` snapshots add rows; a ``replace`` (compaction) rewrites rows it does not change, so its files are
   skipped; any other operation (``overwrite``, ``delete``: rows may be gone) or a base that does not descend from the
   known snapshot (expiry took it, or the history was rolled back) drops everything and starts over with a scan;
-- the covered time range is one interval of whole days; a batch reaching outside it scans only the missing part;
-- ``max_keys`` bounds the memory (a million 32-character ids are about 120 MB in a Python set): past it the keys
-  are dropped and the next batch scans its own range again. A job whose batches keep spanning more than that many
-  rows of the table (a backlog of days, all re-touched) is back to a scan per commit, the earlier cost; a stream
-  whose batches touch recent days only is reset now and then and rescans just those days.
+- coverage is kept per minute of ``time_column`` (``bucket_s``): a batch's minutes not covered yet are scanned, a
+  whole hour at a time when none of that hour is covered (a backlog's batches all fall in about the same hours, and
+  a scan of a sliver costs nearly what its hour costs to plan), else just the missing minutes;
+- ``max_keys`` bounds the memory (a million 32-character ids are about 120 MB in a Python set): past it the oldest
+  minutes the batch does not need are dropped, and a later batch that needs one of them scans just that minute
+  again. Before, past it every key was dropped and the next batch scanned its whole days again: once a day held more
+  than ``max_keys`` rows (about an hour at 300 events/s, since every committer follows every other's appends), a
+  stream went back to a scan of the day's key column per commit, the stall this module exists to prevent.
+- without ``time_column`` (or for a batch with no time at all) the covered range is the whole table, kept whole:
+  past ``max_keys`` it is dropped and scanned again by the next batch.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from pyiceberg.expressions import AlwaysTrue, And, GreaterThan, GreaterThanOrEqual, LessThan, LessThanOrEqual
+from pyiceberg.expressions import AlwaysTrue, And, GreaterThanOrEqual, LessThan
 from pyiceberg.table import Table
 from pyiceberg.table.snapshots import Operation, Snapshot, ancestors_of
 
 __all__ = ["KnownKeys", "KnownKeysStats"]
 
-# Scans the key column of ``table`` at ``snapshot_id`` under ``row_filter`` (the committer's scan).
-KeyScan = Callable[[Table, int, Any], Iterable[Any]]
+# Scans ``columns`` of ``table`` at ``snapshot_id`` under ``row_filter`` (the committer's scan).
+ColumnScan = Callable[[Table, int, Any, Sequence[str]], pa.Table]
+
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+_UNITS_PER_SECOND = {"s": 1, "ms": 1_000, "us": 1_000_000, "ns": 1_000_000_000}
+_WHOLE_TABLE = "whole table"  # the one bucket when the covered range is everything
+_NO_TIME = "no time"  # followed rows whose time is null (a range scan never returns them)
 
 
 class KnownKeysStats:
-    """What the known keys cost: scans of a range, data files read, resets (all since creation)."""
+    """What the known keys cost: scans of a range, data files read, resets, minutes dropped (all since creation)."""
 
     def __init__(self) -> None:
         self.scans = 0
         self.files_read = 0
         self.resets = 0
-
-
-def _literal(value: Any) -> Any:
-    """pyiceberg 0.8 literals take no datetime; an ISO string converts to the column's timestamp type."""
-    return value.isoformat() if hasattr(value, "isoformat") else value
-
-
-def _whole_day(value: Any, end: bool) -> Any:
-    """A time widened to its day's first (or last) microsecond: batches of a backlog all span about the same days,
-    so covering whole days saves a scan of a sliver per batch (a sliver costs nearly what its day costs to plan)."""
-    if isinstance(value, dt.datetime):
-        start = value.replace(hour=0, minute=0, second=0, microsecond=0)
-        return start + dt.timedelta(days=1, microseconds=-1) if end else start
-    return value
+        self.evicted_buckets = 0
 
 
 class KnownKeys:
-    """The values of ``key_column`` in a table, over a covered range of ``time_column`` (the whole table without
+    """The values of ``key_column`` in a table, over the covered minutes of ``time_column`` (the whole table without
     one), as of one snapshot. ``new_rows(table, base, batch)`` returns the batch's rows whose key is not there."""
 
-    def __init__(self, key_column: str, time_column: str | None, scan: KeyScan, max_keys: int = 1_000_000) -> None:
+    def __init__(
+        self,
+        key_column: str,
+        time_column: str | None,
+        scan: ColumnScan,
+        max_keys: int = 1_000_000,
+        bucket_s: int = 60,
+        widen_s: int = 3600,
+    ) -> None:
+        if bucket_s <= 0 or widen_s % bucket_s:
+            raise ValueError(f"bucket_s ({bucket_s}) must be positive and divide widen_s ({widen_s})")
         self.key_column = key_column
         self.time_column = time_column
         self.max_keys = max_keys
+        self.bucket_s = bucket_s
+        self.widen_s = widen_s
         self.stats = KnownKeysStats()
         self._scan = scan
-        self._keys: set[Any] = set()
+        self._keys: set[Any] = set()  # every key held, for the per-row check
+        # Covered buckets (minutes since the epoch, or _WHOLE_TABLE / _NO_TIME) -> their keys, to drop a bucket whole.
+        # A key has one time (``IcebergCommitter``'s contract for key_time_column), so it is in one bucket.
+        self._buckets: dict[Any, list[Any]] = {}
         self._snapshot_id: int | None = None  # the snapshot the keys are as of (None: nothing known)
-        self._range: tuple[Any, Any] | None = None  # covered [low, high] of time_column; (None, None): everything
+
+    def __len__(self) -> int:
+        return len(self._keys)
 
     def reset(self) -> None:
         if self._snapshot_id is not None:
             self.stats.resets += 1
         self._keys = set()
+        self._buckets = {}
         self._snapshot_id = None
-        self._range = None
 
     def new_rows(self, table: Table, base: Snapshot, batch: pa.Table) -> pa.Table:
         """The rows of ``batch`` whose key the table does not hold at ``base`` (which must be the table's head)."""
-        if len(self._keys) > self.max_keys:
-            self.reset()
         self._follow(table, base)
-        self._cover(table, base, batch)
+        needed = self._cover(table, base, batch)
         known = self._keys
         mask = pa.array([key not in known for key in batch[self.key_column].to_pylist()], pa.bool_())
+        self._trim(needed)
         return batch.filter(mask)
 
     def committed(self, parent: Snapshot, snapshot_id: int | None, batch: pa.Table) -> None:
@@ -98,10 +111,61 @@ class KnownKeys:
         if self._snapshot_id != parent.snapshot_id or snapshot_id is None:
             self.reset()
             return
-        self._keys.update(batch[self.key_column].to_pylist())
+        self._add(batch)  # its buckets were covered by ``new_rows`` just before
         self._snapshot_id = snapshot_id
 
-    # ---- following the table -----------------------------------------------------------------------------------
+    # ---- buckets ---------------------------------------------------------------------------------------------------
+
+    def _timed(self, batch: pa.Table) -> bool:
+        return self.time_column is not None and self.time_column in batch.column_names
+
+    def _bucket_ids(self, column: Any) -> list[Any]:
+        """Each value's bucket: minutes (``bucket_s``) since the epoch, ``_NO_TIME`` for a null."""
+        kind = column.type
+        if not pa.types.is_timestamp(kind):
+            raise ValueError(f"key_time_column {self.time_column} must be a timestamp column, not {kind}")
+        width = self.bucket_s * _UNITS_PER_SECOND[kind.unit]
+        return [_NO_TIME if v is None else v // width for v in pc.cast(column, pa.int64()).to_pylist()]
+
+    def _add(self, rows: pa.Table) -> None:
+        """Adds the keys of ``rows`` to the covered buckets they fall in (the others are not needed yet)."""
+        keys = rows[self.key_column].to_pylist()
+        if _WHOLE_TABLE in self._buckets:
+            self._buckets[_WHOLE_TABLE].extend(keys)
+            self._keys.update(keys)
+            return
+        if not self._timed(rows):  # a file written without the time column: its rows have no time
+            self._buckets.setdefault(_NO_TIME, []).extend(keys)
+            self._keys.update(keys)
+            return
+        buckets = self._buckets
+        for key, bucket in zip(keys, self._bucket_ids(rows[self.time_column]), strict=True):
+            if bucket == _NO_TIME:
+                buckets.setdefault(_NO_TIME, []).append(key)
+            elif bucket in buckets:
+                buckets[bucket].append(key)
+            else:
+                continue
+            self._keys.add(key)
+
+    def _trim(self, needed: set[Any]) -> None:
+        """Drops the oldest buckets the batch does not need until at most ``max_keys`` keys are held."""
+        if len(self._keys) <= self.max_keys:
+            return
+        if _WHOLE_TABLE in self._buckets:
+            self.reset()  # the whole table is one range: it is kept whole or not at all
+            return
+        # _NO_TIME first: a range scan never brings those keys back, so they go before any minute does.
+        order = sorted((b for b in self._buckets if b not in needed and b != _NO_TIME), key=int)
+        if _NO_TIME in self._buckets and _NO_TIME not in needed:
+            order.insert(0, _NO_TIME)
+        for bucket in order:
+            if len(self._keys) <= self.max_keys:
+                break
+            self._keys.difference_update(self._buckets.pop(bucket))
+            self.stats.evicted_buckets += 1
+
+    # ---- following the table ---------------------------------------------------------------------------------------
 
     def _follow(self, table: Table, base: Snapshot) -> None:
         """Brings the keys from the known snapshot to ``base``: the files appended in between."""
@@ -132,51 +196,78 @@ class KnownKeys:
             for entry in manifest.fetch_manifest_entry(table.io, discard_deleted=True):
                 if entry.snapshot_id in appended:
                     paths.add(entry.data_file.file_path)
+        columns = [self.key_column]
+        if _WHOLE_TABLE not in self._buckets and self.time_column is not None:
+            columns.append(self.time_column)
         for path in sorted(paths):
             with table.io.new_input(path).open() as stream:
-                keys = pq.read_table(stream, columns=[self.key_column])[self.key_column]
-            self._keys.update(keys.to_pylist())
+                data = pq.ParquetFile(stream)
+                names = data.schema_arrow.names
+                self._add(data.read(columns=[c for c in columns if c in names]))
             self.stats.files_read += 1
         self._snapshot_id = base.snapshot_id
 
-    def _cover(self, table: Table, base: Snapshot, batch: pa.Table) -> None:
-        """Scans whatever part of the batch's time range the keys do not cover yet, at ``base``."""
+    def _cover(self, table: Table, base: Snapshot, batch: pa.Table) -> set[Any]:
+        """Scans the batch's buckets not covered yet, at ``base``; returns the buckets the batch needs."""
         if self._snapshot_id is None:
             self._keys = set()
-            self._range = None
-        if self.time_column is None or self.time_column not in batch.column_names:
-            if self._range != (None, None):
-                self._add_scan(table, base, AlwaysTrue())
-                self._range = (None, None)
-            self._snapshot_id = base.snapshot_id
-            return
-        if self._range == (None, None):
-            return
-        low, high = (
-            _whole_day(v.as_py(), end=i == 1) for i, v in enumerate(pc.min_max(batch[self.time_column]).values())
-        )
-        if low is None or high is None:  # no time on any row: only a full scan answers
-            self._add_scan(table, base, AlwaysTrue())
-            self._range = (None, None)
-        elif self._range is None:
-            self._add_scan(table, base, self._between(low, high, True, True))
-            self._range = (low, high)
-        else:
-            covered_low, covered_high = self._range
-            if low < covered_low:
-                self._add_scan(table, base, self._between(low, covered_low, True, False))
-            if high > covered_high:
-                self._add_scan(table, base, self._between(covered_high, high, False, True))
-            self._range = (min(low, covered_low), max(high, covered_high))
+            self._buckets = {}
         self._snapshot_id = base.snapshot_id
+        if _WHOLE_TABLE in self._buckets:
+            return {_WHOLE_TABLE}
+        needed = set(self._bucket_ids(batch[self.time_column])) if self._timed(batch) else set()
+        needed.discard(_NO_TIME)
+        if not needed:  # no time on any row: only the whole table answers
+            self._keys = set()
+            self._buckets = {_WHOLE_TABLE: []}
+            self._scan_into(table, base, AlwaysTrue(), None)
+            return {_WHOLE_TABLE}
+        per_widen = self.widen_s // self.bucket_s
+        missing: set[int] = set()
+        for bucket in needed:
+            if bucket in self._buckets:
+                continue
+            start = bucket - bucket % per_widen
+            span = range(start, start + per_widen)
+            if any(b in self._buckets for b in span):
+                missing.add(bucket)
+            else:
+                missing.update(span)
+        for low, high in _runs(sorted(missing)):
+            for bucket in range(low, high + 1):
+                self._buckets[bucket] = []
+            self._scan_into(table, base, self._between(low, high + 1, batch[self.time_column].type), batch)
+        return needed
 
-    def _between(self, low: Any, high: Any, low_closed: bool, high_closed: bool) -> Any:
+    def _between(self, low: int, high: int, kind: Any) -> Any:
+        """``time_column`` in [start of bucket ``low``, start of bucket ``high``)."""
         column = self.time_column
         assert column is not None
-        lower = GreaterThanOrEqual(column, _literal(low)) if low_closed else GreaterThan(column, _literal(low))
-        upper = LessThanOrEqual(column, _literal(high)) if high_closed else LessThan(column, _literal(high))
-        return And(lower, upper)
+        lower = GreaterThanOrEqual(column, _literal(self._bucket_start(low, kind)))
+        return And(lower, LessThan(column, _literal(self._bucket_start(high, kind))))
 
-    def _add_scan(self, table: Table, base: Snapshot, row_filter: Any) -> None:
-        self._keys.update(self._scan(table, base.snapshot_id, row_filter))
+    def _bucket_start(self, bucket: int, kind: Any) -> dt.datetime:
+        start = _EPOCH + dt.timedelta(seconds=bucket * self.bucket_s)
+        return start if kind.tz is not None else start.replace(tzinfo=None)
+
+    def _scan_into(self, table: Table, base: Snapshot, row_filter: Any, batch: pa.Table | None) -> None:
+        timed = batch is not None and self.time_column is not None
+        columns = [self.key_column, self.time_column] if timed else [self.key_column]
+        self._add(self._scan(table, base.snapshot_id, row_filter, [c for c in columns if c is not None]))
         self.stats.scans += 1
+
+
+def _literal(value: dt.datetime) -> str:
+    """pyiceberg 0.8 literals take no datetime; an ISO string converts to the column's timestamp type."""
+    return value.isoformat()
+
+
+def _runs(buckets: list[int]) -> list[tuple[int, int]]:
+    """Sorted bucket numbers as runs of consecutive ones, each (first, last)."""
+    runs: list[tuple[int, int]] = []
+    for bucket in buckets:
+        if runs and bucket == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], bucket)
+        else:
+            runs.append((bucket, bucket))
+    return runs

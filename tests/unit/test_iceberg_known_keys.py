@@ -78,7 +78,7 @@ def test_two_committers_see_each_others_keys_by_reading_only_the_new_files(tmp_p
 
 def test_the_check_fails_when_the_committer_does_not_follow_the_table(tmp_path: Path) -> None:
     catalog, (a, b) = _committers(tmp_path)
-    a.known_keys = _Stale("event_id", "event_time", a._scan_keys)
+    a.known_keys = _Stale("event_id", "event_time", a._scan_columns)
     a.commit(_rows(range(0, 60)))
     a.commit(_rows(range(60, 120)))  # covers the minute: no scan answers for the rows below
     b.commit(_rows(range(120, 130)))
@@ -124,3 +124,40 @@ def test_an_expired_known_snapshot_sends_the_committer_back_to_a_scan(tmp_path: 
     assert (replay.rows_written, replay.rows_existing_key) == (0, 50)
     assert a.known_keys is not None and a.known_keys.stats.resets == 1
     assert _ids(catalog) == sorted(f"e{i}" for i in range(50))
+
+
+def _minute_rows(ids: range, minute: int) -> list[dict[str, Any]]:
+    """Rows whose event times fall in one minute of 2026-01-01 (a stream's batch: its latest minute of events)."""
+    start = dt.datetime(2026, 1, 1, tzinfo=dt.UTC) + dt.timedelta(minutes=minute)
+    return [
+        {
+            "event_id": f"e{i}",
+            "event_time": start + dt.timedelta(seconds=i % 60),
+            "_kafka": {"topic": "t", "partition": i % 2, "offset": i},
+        }
+        for i in ids
+    ]
+
+
+def test_a_stream_past_max_keys_drops_its_oldest_minutes_not_every_key(tmp_path: Path) -> None:
+    """A stream holding more keys than ``max_keys`` (every committer follows every other's appends) must keep
+    committing without a scan per commit: the bound drops the oldest minutes, not everything. Before the fix, past
+    the bound every key was dropped and each commit scanned the batch's whole day again (here: a scan per commit)."""
+    catalog, (a, b) = _committers(tmp_path)
+    assert a.known_keys is not None and b.known_keys is not None
+    a.known_keys.max_keys = b.known_keys.max_keys = 100
+    a.commit(_minute_rows(range(0, 20), 0))  # the table's first snapshot: nothing to look up yet
+    for minute in range(1, 40):  # 40 batches of 20 rows, a minute of event time each, alternating writers
+        writer = a if minute % 2 else b
+        assert writer.commit(_minute_rows(range(minute * 20, minute * 20 + 20), minute)).rows_written == 20
+        assert len(writer.known_keys or []) <= 100 + 20, "the bound holds, up to the batch just added"
+    # Each committer scanned its first batch's hour once; from then on it followed the other's files.
+    assert (a.known_keys.stats.scans, b.known_keys.stats.scans) == (1, 1)
+    assert a.known_keys.stats.resets == b.known_keys.stats.resets == 0
+    assert a.known_keys.stats.evicted_buckets > 0
+    # A replay of the newest minute is answered from memory; one of a dropped minute by a scan of just that minute.
+    assert a.commit(_minute_rows(range(780, 800), 39)).rows_existing_key == 20
+    assert a.known_keys.stats.scans == 1
+    assert a.commit(_minute_rows(range(40, 60), 2)).rows_existing_key == 20
+    assert a.known_keys.stats.scans == 2
+    assert _ids(catalog) == sorted(f"e{i}" for i in range(800))
