@@ -21,8 +21,8 @@ Exactness: the answer for a key in a covered range is the table's content at the
   again. Before, past it every key was dropped and the next batch scanned its whole days again: once a day held more
   than ``max_keys`` rows (about an hour at 300 events/s, since every committer follows every other's appends), a
   stream went back to a scan of the day's key column per commit, the stall this module exists to prevent.
-- without ``time_column`` (or for a batch with no time at all) the covered range is the whole table, kept whole:
-  past ``max_keys`` it is dropped and scanned again by the next batch.
+- without ``time_column`` (or with one that is not a timestamp, or for a batch with no time at all) the covered
+  range is the whole table, kept whole: past ``max_keys`` it is dropped and scanned again by the next batch.
 """
 
 from __future__ import annotations
@@ -117,7 +117,10 @@ class KnownKeys:
     # ---- buckets ---------------------------------------------------------------------------------------------------
 
     def _timed(self, batch: pa.Table) -> bool:
-        return self.time_column is not None and self.time_column in batch.column_names
+        """Whether ``batch`` has the time column as timestamps (minutes need a time of day; a date column, say, is
+        covered as the whole table instead)."""
+        column = self.time_column
+        return column is not None and column in batch.column_names and pa.types.is_timestamp(batch[column].type)
 
     def _bucket_ids(self, column: Any) -> list[Any]:
         """Each value's bucket: minutes (``bucket_s``) since the epoch, ``_NO_TIME`` for a null."""

@@ -161,3 +161,20 @@ def test_a_stream_past_max_keys_drops_its_oldest_minutes_not_every_key(tmp_path:
     assert a.commit(_minute_rows(range(40, 60), 2)).rows_existing_key == 20
     assert a.known_keys.stats.scans == 2
     assert _ids(catalog) == sorted(f"e{i}" for i in range(800))
+
+
+def test_a_date_time_column_is_covered_as_the_whole_table(tmp_path: Path) -> None:
+    """Minutes need a time of day: with a date column the keys cover the whole table, still exactly."""
+    catalog = open_catalog(CatalogConfig.local(tmp_path))
+    catalog.create_namespace("kk")
+    a, b = (IcebergCommitter(catalog, "kk.d", "kk-sink", key_column="event_id", key_time_column="day") for _ in "ab")
+
+    def rows(ids: range) -> list[dict[str, Any]]:
+        return [{"event_id": f"e{i}", "day": dt.date(2026, 1, 1 + i % 2)} for i in ids]
+
+    a.commit(rows(range(0, 10)))
+    assert a.commit(rows(range(10, 20))).rows_written == 10
+    assert b.commit(rows(range(0, 30))).rows_written == 10  # b scans once, then writes only e20-e29
+    assert (a.commit(rows(range(0, 30))).rows_existing_key, a.known_keys and a.known_keys.stats.scans) == (30, 1)
+    ids = sorted(catalog.load_table("kk.d").scan().to_arrow()["event_id"].to_pylist())
+    assert ids == sorted(f"e{i}" for i in range(30))
