@@ -123,10 +123,9 @@ class KnownKeys:
         return column is not None and column in batch.column_names and pa.types.is_timestamp(batch[column].type)
 
     def _bucket_ids(self, column: Any) -> list[Any]:
-        """Each value's bucket: minutes (``bucket_s``) since the epoch, ``_NO_TIME`` for a null."""
+        """Each value's bucket: minutes (``bucket_s``) since the epoch, ``_NO_TIME`` for a null (a timestamp column:
+        ``_timed``)."""
         kind = column.type
-        if not pa.types.is_timestamp(kind):
-            raise ValueError(f"key_time_column {self.time_column} must be a timestamp column, not {kind}")
         width = self.bucket_s * _UNITS_PER_SECOND[kind.unit]
         return [_NO_TIME if v is None else v // width for v in pc.cast(column, pa.int64()).to_pylist()]
 
@@ -212,10 +211,7 @@ class KnownKeys:
 
     def _cover(self, table: Table, base: Snapshot, batch: pa.Table) -> set[Any]:
         """Scans the batch's buckets not covered yet, at ``base``; returns the buckets the batch needs."""
-        if self._snapshot_id is None:
-            self._keys = set()
-            self._buckets = {}
-        self._snapshot_id = base.snapshot_id
+        self._snapshot_id = base.snapshot_id  # nothing known before (reset): nothing held either
         if _WHOLE_TABLE in self._buckets:
             return {_WHOLE_TABLE}
         needed = set(self._bucket_ids(batch[self.time_column])) if self._timed(batch) else set()
@@ -223,7 +219,7 @@ class KnownKeys:
         if not needed:  # no time on any row: only the whole table answers
             self._keys = set()
             self._buckets = {_WHOLE_TABLE: []}
-            self._scan_into(table, base, AlwaysTrue(), None)
+            self._scan_into(table, base, AlwaysTrue(), timed=False)
             return {_WHOLE_TABLE}
         per_widen = self.widen_s // self.bucket_s
         missing: set[int] = set()
@@ -239,7 +235,7 @@ class KnownKeys:
         for low, high in _runs(sorted(missing)):
             for bucket in range(low, high + 1):
                 self._buckets[bucket] = []
-            self._scan_into(table, base, self._between(low, high + 1, batch[self.time_column].type), batch)
+            self._scan_into(table, base, self._between(low, high + 1, batch[self.time_column].type), timed=True)
         return needed
 
     def _between(self, low: int, high: int, kind: Any) -> Any:
@@ -253,10 +249,9 @@ class KnownKeys:
         start = _EPOCH + dt.timedelta(seconds=bucket * self.bucket_s)
         return start if kind.tz is not None else start.replace(tzinfo=None)
 
-    def _scan_into(self, table: Table, base: Snapshot, row_filter: Any, batch: pa.Table | None) -> None:
-        timed = batch is not None and self.time_column is not None
-        columns = [self.key_column, self.time_column] if timed else [self.key_column]
-        self._add(self._scan(table, base.snapshot_id, row_filter, [c for c in columns if c is not None]))
+    def _scan_into(self, table: Table, base: Snapshot, row_filter: Any, timed: bool) -> None:
+        columns = [self.key_column, self.time_column] if timed and self.time_column else [self.key_column]
+        self._add(self._scan(table, base.snapshot_id, row_filter, columns))
         self.stats.scans += 1
 
 
