@@ -143,6 +143,13 @@ class IcebergConfig:
     table: str
     sink_id: str | None = None  # stable across restarts; doctor refuses none or a run id
     catalog: IcebergCatalog = field(default_factory=IcebergCatalog)
+    # The most event ids each committer (one per worker) keeps in memory to tell new rows from replays, about 120 MB
+    # a million; past it the oldest minutes are dropped and scanned again if a replay needs them.
+    known_keys_max: int = 1_000_000
+
+    def __post_init__(self) -> None:
+        if self.known_keys_max < 1:
+            raise ConfigError(f"iceberg.known_keys_max must be at least 1, not {self.known_keys_max}")
 
 
 @dataclass(frozen=True)

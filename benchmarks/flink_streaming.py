@@ -72,10 +72,15 @@ class LiveProducer(threading.Thread):
     record's Kafka coordinates are known (records of a partition get consecutive offsets in production order).
     """
 
-    def __init__(self, config: dict[str, Any], rate: float, next_offsets: dict[int, int], seed: int) -> None:
+    def __init__(
+        self, config: dict[str, Any], rate: float, next_offsets: dict[int, int], seed: int, keep: bool = True
+    ) -> None:
         super().__init__(daemon=True)
         self.config, self.rate, self.seed = config, rate, seed
         self.next_offsets = dict(next_offsets)
+        # Each record sent, for an audit; a soak of hours keeps none (10 million records would be gigabytes).
+        self.keep = keep
+        self.produced = 0
         self.records: list[Any] = []
         self.counts: Counter[str] = Counter()
         self.sent_ms: list[int] = []  # per record of self.records
@@ -154,8 +159,10 @@ class LiveProducer(threading.Thread):
                         timestamp=r.timestamp_ms,
                         on_delivery=on_delivery,
                     )
-                    self.records.append(r)
-                    self.sent_ms.append(at)
+                    self.produced += 1
+                    if self.keep:
+                        self.records.append(r)
+                        self.sent_ms.append(at)
                     if (
                         r.event is not None and r.kind == "event" and r.timestamp_ms >= at - 60_000
                     ):  # on time: late ones are not sampled

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -67,7 +68,9 @@ def sample(rest: Any, job_id: str, flink: Any, job_name: str, config: dict[str, 
 
     taskmanagers = [pid for role, pid in flink.info["roles"].items() if role.startswith("taskmanager")]
     workers = python_workers(flink, job_name)
-    latest = (rest.checkpoints(job_id).get("latest") or {}).get("completed") or {}
+    checkpoints = rest.checkpoints(job_id)
+    latest = (checkpoints.get("latest") or {}).get("completed") or {}
+    counts = checkpoints.get("counts") or {}
     try:
         lag = sum(kafka_lag(config).values())
     except Exception:
@@ -90,6 +93,10 @@ def sample(rest: Any, job_id: str, flink: Any, job_name: str, config: dict[str, 
         "checkpoint_id": latest.get("id"),
         "checkpoint_state_mb": round(float(latest.get("state_size") or 0) / 2**20, 3),
         "checkpoint_incremental_mb": round(float(latest.get("checkpointed_size") or 0) / 2**20, 3),
+        "checkpoint_duration_s": round(float(latest.get("end_to_end_duration") or 0) / 1000, 1),
+        "checkpoints_completed": counts.get("completed"),
+        "checkpoints_failed": counts.get("failed"),
+        "load_1m": round(os.getloadavg()[0], 1),
         "lag": lag,
     }
 
@@ -174,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     job_id, _ = _submit(config, workdir, "benchmarks.soak_probe" if args.probe else "pipelines.clicks")
     rest = FlinkRest(config["flink"]["rest_url"])
-    live = LiveProducer(config, args.rate, {p: 0 for p in range(int(kafka["partitions"]))}, seed=77)
+    live = LiveProducer(config, args.rate, {p: 0 for p in range(int(kafka["partitions"]))}, seed=77, keep=False)
     live.start()
     t0 = time.monotonic()
     samples: list[dict[str, Any]] = []
@@ -210,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             f"({'met' if change < GOAL_GROWTH else 'MISSED'})"
         )
     lines.append(
-        f"records produced {len(live.records):,} at {args.rate:g}/s; checkpoints completed {counts.get('completed')}, "
+        f"records produced {live.produced:,} at {args.rate:g}/s; checkpoints completed {counts.get('completed')}, "
         f"failed {counts.get('failed')}, restored {counts.get('restored')}"
     )
     print("\n".join(lines))

@@ -181,6 +181,7 @@ def build_pipeline(p: beam.Pipeline, config: JobConfig | Mapping[str, Any]) -> C
             # offset marks recorded for monitoring.
             key_column="event_id",
             key_time_column="event_time",
+            known_keys_max=ice.known_keys_max,
         )
     )
 

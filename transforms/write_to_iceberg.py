@@ -117,10 +117,12 @@ class _Committing:
         expire_every: int,
         max_batch_rows: int,
         key_time_column: str | None = None,
+        known_keys_max: int = 1_000_000,
     ) -> None:
         super().__init__()
         self.catalog_config = catalog_config
         self.key_time_column = key_time_column
+        self.known_keys_max = known_keys_max
         self.max_batch_rows = max(1, max_batch_rows)
         self.table = table
         self.sink_id = sink_id
@@ -141,6 +143,7 @@ class _Committing:
             key_time_column=self.key_time_column,
             partition_by=self.partition_by,
             coordinates=self.fields,
+            known_keys_max=self.known_keys_max,
         )
 
     def _commit_or_split(self, rows: list[dict[str, Any]], split: bool) -> Iterator[Any]:
@@ -255,7 +258,9 @@ class WriteToIceberg(beam.PTransform):
     deduplicated against the table at commit time (idempotent per key). Rows that satisfy neither go to
     ``dead_letters`` with a reason. Give ``key_column`` (and ``key_time_column``, see ``IcebergCommitter``) also when
     a shuffle by another key sits between the source and this sink: offsets of one partition then arrive out of
-    order, and the marks alone would drop a lower offset that arrives after a higher one was committed.
+    order, and the marks alone would drop a lower offset that arrives after a higher one was committed. Each
+    worker's committer holds at most ``known_keys_max`` keys of that lookup in memory (plus one batch's; about 120 MB
+    a million 32-character ids).
 
     On unbounded input each worker commits the rows of a bundle before the bundle ends (and whenever
     ``max_batch_rows`` are staged), so the Kafka source's offsets, committed when the runner finalizes the bundle
@@ -313,9 +318,11 @@ class WriteToIceberg(beam.PTransform):
         expire_keep_last: int | None = 50,
         expire_every: int = 10,
         key_time_column: str | None = None,
+        known_keys_max: int = 1_000_000,
     ) -> None:
         super().__init__()
         self.key_time_column = key_time_column
+        self.known_keys_max = known_keys_max
         marks_property(sink_id)  # validates the id now, not on a worker
         self.table = table if "." in table else f"default.{table}"
         self.catalog_config = catalog_config
@@ -342,6 +349,7 @@ class WriteToIceberg(beam.PTransform):
             self.expire_every,
             self.max_batch_rows,
             self.key_time_column,
+            self.known_keys_max,
         )
         if rows.is_bounded and self.key_column is None:
             # Bounded input deduplicated by the marks: one grouping per table puts the rows in offset order

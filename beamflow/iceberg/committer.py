@@ -331,6 +331,7 @@ class IcebergCommitter:
     the key's identity (the same key always has the same time). The keys are scanned once per range and then
     followed through the files later snapshots append (``beamflow.iceberg.known_keys``), so a commit costs what it
     adds, not what the table holds.
+    ``known_keys_max``: the most keys held in memory for that lookup (``KnownKeys.max_keys``).
     ``before_commit``: called after the data files are written and before the catalog commit (tests use it to
     kill the process at exactly that point; also a place for metrics).
     """
@@ -347,6 +348,7 @@ class IcebergCommitter:
         key_time_column: str | None = None,
         max_attempts: int = 100,
         before_commit: Callable[[], None] | None = None,
+        known_keys_max: int = 1_000_000,
     ) -> None:
         self.catalog = catalog
         self.identifier = table if "." in table else f"default.{table}"
@@ -363,7 +365,9 @@ class IcebergCommitter:
         self.before_commit = before_commit
         # The keys the table holds, followed commit by commit instead of scanned each time (beamflow.iceberg.known_keys:
         # a per-commit scan grows with the table and stalled a streaming job's checkpoints on a backlog).
-        self.known_keys = KnownKeys(key_column, key_time_column, self._scan_columns) if key_column else None
+        self.known_keys = (
+            KnownKeys(key_column, key_time_column, self._scan_columns, max_keys=known_keys_max) if key_column else None
+        )
 
     def load(self) -> Table:
         """A fresh handle on the table's current metadata (pyiceberg 0.8.1 never auto-retries commits)."""

@@ -16,9 +16,11 @@ Exactness: the answer for a key in a covered range is the table's content at the
 - coverage is kept per minute of ``time_column`` (``bucket_s``): a batch's minutes not covered yet are scanned, a
   whole hour at a time when none of that hour is covered (a backlog's batches all fall in about the same hours, and
   a scan of a sliver costs nearly what its hour costs to plan), else just the missing minutes;
-- ``max_keys`` bounds the memory (a million 32-character ids are about 120 MB in a Python set): past it the oldest
-  minutes the batch does not need are dropped, and a later batch that needs one of them scans just that minute
-  again. Before, past it every key was dropped and the next batch scanned its whole days again: once a day held more
+- ``max_keys`` bounds the memory (a million 32-character ids are about 120 MB in a Python set; the job setting
+  ``iceberg.known_keys_max``): past it the oldest minutes the batch does not need are dropped, and a later batch
+  that needs one of them scans just that minute again. A scan keeps the batch's minutes and then the newest others
+  while the bound allows, the rest staying uncovered (kept as Arrow until then, never as Python strings), so a
+  restart on a busy stream's backlog (an hour at 1,500 events/s is 5.4 million ids) holds no more than the bound. Before, past it every key was dropped and the next batch scanned its whole days again: once a day held more
   than ``max_keys`` rows (about an hour at 300 events/s, since every committer follows every other's appends), a
   stream went back to a scan of the day's key column per commit, the stall this module exists to prevent.
 - without ``time_column`` (or with one that is not a timestamp, or for a batch with no time at all) the covered
@@ -28,9 +30,11 @@ Exactness: the answer for a key in a covered range is the table's content at the
 from __future__ import annotations
 
 import datetime as dt
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -50,13 +54,15 @@ _NO_TIME = "no time"  # followed rows whose time is null (a range scan never ret
 
 
 class KnownKeysStats:
-    """What the known keys cost: scans of a range, data files read, resets, minutes dropped (all since creation)."""
+    """What the known keys cost: scans of a range, data files read, resets, minutes dropped, the most keys held (all
+    since creation)."""
 
     def __init__(self) -> None:
         self.scans = 0
         self.files_read = 0
         self.resets = 0
         self.evicted_buckets = 0
+        self.peak_keys = 0  # the most keys held at once (the memory bound: ``max_keys`` plus one batch's minutes)
 
 
 class KnownKeys:
@@ -122,33 +128,58 @@ class KnownKeys:
         column = self.time_column
         return column is not None and column in batch.column_names and pa.types.is_timestamp(batch[column].type)
 
-    def _bucket_ids(self, column: Any) -> list[Any]:
-        """Each value's bucket: minutes (``bucket_s``) since the epoch, ``_NO_TIME`` for a null (a timestamp column:
-        ``_timed``)."""
-        kind = column.type
-        width = self.bucket_s * _UNITS_PER_SECOND[kind.unit]
-        return [_NO_TIME if v is None else v // width for v in pc.cast(column, pa.int64()).to_pylist()]
+    def _bucket_ids(self, column: Any) -> set[Any]:
+        """The buckets of a timestamp column's values (``_timed``): minutes (``bucket_s``) since the epoch, and
+        ``_NO_TIME`` if a value is null."""
+        numbers = self._bucket_numbers(column)
+        found: set[Any] = set(np.unique(numbers[column.is_valid().to_numpy(zero_copy_only=False)]).tolist())
+        if column.null_count:
+            found.add(_NO_TIME)
+        return found
+
+    def _bucket_numbers(self, column: Any) -> Any:
+        """Each value's minute (``bucket_s``) since the epoch as a numpy array, floored (times before 1970 too); a
+        null's number is meaningless (the caller masks it)."""
+        width = self.bucket_s * _UNITS_PER_SECOND[column.type.unit]
+        micros = pc.cast(column, pa.int64()).fill_null(0)
+        return np.floor_divide(micros.to_numpy(), width)
+
+    def _grouped(self, rows: pa.Table) -> list[tuple[Any, pa.ChunkedArray]]:
+        """The keys of ``rows`` per bucket, as Arrow slices (so a bucket never kept is never made into Python
+        strings): ``_NO_TIME`` for rows without a time."""
+        keys = rows[self.key_column]
+        if not self._timed(rows):  # a file written without the time column: its rows have no time
+            return [(_NO_TIME, keys)] if len(keys) else []
+        column = rows[self.time_column]
+        valid = column.is_valid()
+        groups: list[tuple[Any, pa.ChunkedArray]] = []
+        if column.null_count:
+            groups.append((_NO_TIME, keys.filter(pc.invert(valid))))
+            keys, column = keys.filter(valid), column.filter(valid)
+        if not len(keys):
+            return groups
+        numbers = self._bucket_numbers(column)
+        order = np.argsort(numbers, kind="stable")
+        numbers = numbers[order]
+        keys = keys.take(pa.array(order))
+        bounds = [0, *(np.flatnonzero(np.diff(numbers)) + 1).tolist(), len(numbers)]  # where each bucket starts
+        for begin, end in itertools.pairwise(bounds):
+            groups.append((int(numbers[begin]), keys.slice(begin, end - begin)))
+        return groups
 
     def _add(self, rows: pa.Table) -> None:
         """Adds the keys of ``rows`` to the covered buckets they fall in (the others are not needed yet)."""
-        keys = rows[self.key_column].to_pylist()
         if _WHOLE_TABLE in self._buckets:
-            self._buckets[_WHOLE_TABLE].extend(keys)
-            self._keys.update(keys)
+            self._hold(_WHOLE_TABLE, rows[self.key_column].to_pylist())
             return
-        if not self._timed(rows):  # a file written without the time column: its rows have no time
-            self._buckets.setdefault(_NO_TIME, []).extend(keys)
-            self._keys.update(keys)
-            return
-        buckets = self._buckets
-        for key, bucket in zip(keys, self._bucket_ids(rows[self.time_column]), strict=True):
-            if bucket == _NO_TIME:
-                buckets.setdefault(_NO_TIME, []).append(key)
-            elif bucket in buckets:
-                buckets[bucket].append(key)
-            else:
-                continue
-            self._keys.add(key)
+        for bucket, keys in self._grouped(rows):
+            if bucket == _NO_TIME or bucket in self._buckets:
+                self._hold(bucket, keys.to_pylist())
+
+    def _hold(self, bucket: Any, keys: list[Any]) -> None:
+        self._buckets.setdefault(bucket, []).extend(keys)
+        self._keys.update(keys)
+        self.stats.peak_keys = max(self.stats.peak_keys, len(self._keys))
 
     def _trim(self, needed: set[Any]) -> None:
         """Drops the oldest buckets the batch does not need until at most ``max_keys`` keys are held."""
@@ -214,12 +245,13 @@ class KnownKeys:
         self._snapshot_id = base.snapshot_id  # nothing known before (reset): nothing held either
         if _WHOLE_TABLE in self._buckets:
             return {_WHOLE_TABLE}
-        needed = set(self._bucket_ids(batch[self.time_column])) if self._timed(batch) else set()
+        needed = self._bucket_ids(batch[self.time_column]) if self._timed(batch) else set()
         needed.discard(_NO_TIME)
         if not needed:  # no time on any row: only the whole table answers
             self._keys = set()
             self._buckets = {_WHOLE_TABLE: []}
-            self._scan_into(table, base, AlwaysTrue(), timed=False)
+            self._add(self._scan(table, base.snapshot_id, AlwaysTrue(), [self.key_column]))
+            self.stats.scans += 1
             return {_WHOLE_TABLE}
         per_widen = self.widen_s // self.bucket_s
         missing: set[int] = set()
@@ -233,10 +265,22 @@ class KnownKeys:
             else:
                 missing.update(span)
         for low, high in _runs(sorted(missing)):
-            for bucket in range(low, high + 1):
-                self._buckets[bucket] = []
-            self._scan_into(table, base, self._between(low, high + 1, batch[self.time_column].type), timed=True)
+            scanned = self._scan_range(table, base, self._between(low, high + 1, batch[self.time_column].type))
+            self._cover_from(range(low, high + 1), scanned, needed)
         return needed
+
+    def _cover_from(self, span: range, scanned: pa.Table, needed: set[Any]) -> None:
+        """Covers the buckets of ``span`` with the keys a scan of it found: the batch's own first, then the newest,
+        while the bound allows. A bucket left out stays uncovered (a batch that needs it scans just it), so the keys
+        held stay near ``max_keys`` even when the scanned hour holds millions of rows (a restart on a backlog of a
+        busy stream); before, the whole hour was held until the batch was done."""
+        found = {bucket: keys for bucket, keys in self._grouped(scanned) if bucket != _NO_TIME}
+        for bucket in sorted(span, key=lambda b: (b not in needed, -b)):
+            keys = found.get(bucket)
+            size = len(keys) if keys is not None else 0
+            if bucket not in needed and len(self._keys) + size > self.max_keys:
+                break  # older minutes than this one stay uncovered too: the newest stretch is what streams need
+            self._hold(bucket, keys.to_pylist() if keys is not None else [])
 
     def _between(self, low: int, high: int, kind: Any) -> Any:
         """``time_column`` in [start of bucket ``low``, start of bucket ``high``)."""
@@ -249,10 +293,10 @@ class KnownKeys:
         start = _EPOCH + dt.timedelta(seconds=bucket * self.bucket_s)
         return start if kind.tz is not None else start.replace(tzinfo=None)
 
-    def _scan_into(self, table: Table, base: Snapshot, row_filter: Any, timed: bool) -> None:
-        columns = [self.key_column, self.time_column] if timed and self.time_column else [self.key_column]
-        self._add(self._scan(table, base.snapshot_id, row_filter, columns))
+    def _scan_range(self, table: Table, base: Snapshot, row_filter: Any) -> pa.Table:
+        assert self.time_column is not None
         self.stats.scans += 1
+        return self._scan(table, base.snapshot_id, row_filter, [self.key_column, self.time_column])
 
 
 def _literal(value: dt.datetime) -> str:

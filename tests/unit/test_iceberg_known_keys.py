@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from beamflow.config import ConfigError, load_job_config
 from beamflow.iceberg.catalog import CatalogConfig, open_catalog
 from beamflow.iceberg.committer import IcebergCommitter
 from beamflow.iceberg.known_keys import KnownKeys
@@ -178,3 +179,38 @@ def test_a_date_time_column_is_covered_as_the_whole_table(tmp_path: Path) -> Non
     assert (a.commit(rows(range(0, 30))).rows_existing_key, a.known_keys and a.known_keys.stats.scans) == (30, 1)
     ids = sorted(catalog.load_table("kk.d").scan().to_arrow()["event_id"].to_pylist())
     assert ids == sorted(f"e{i}" for i in range(30))
+
+
+def test_a_scan_of_a_busy_hour_holds_no_more_than_the_bound(tmp_path: Path) -> None:
+    """A committer starting on a table whose hour holds more keys than ``max_keys`` (a restart on a busy stream's
+    backlog: at 1,500 events/s an hour is 5.4 million ids) must not hold that hour whole: its scan covers the
+    batch's minutes and then the newest others while the bound allows. Before, every key of the scanned hour was
+    held until the batch was done (here 310 against a bound of 100)."""
+    catalog, (a, b) = _committers(tmp_path)
+    for minute in range(30):  # b writes 30 minutes of one hour, 10 keys a minute
+        assert b.commit(_minute_rows(range(minute * 10, minute * 10 + 10), minute)).rows_written == 10
+    assert a.known_keys is not None
+    a.known_keys.max_keys = 100
+    assert a.commit(_minute_rows(range(300, 310), 30)).rows_written == 10
+    assert a.known_keys.stats.scans == 1
+    assert a.known_keys.stats.peak_keys <= 100 + 10, "the bound holds through the scan, up to the batch's own keys"
+    # Minutes the scan did not keep are not known to be empty: each is scanned alone when a batch needs it.
+    assert a.commit(_minute_rows(range(290, 300), 29)).rows_existing_key == 10  # kept: the newest
+    assert a.known_keys.stats.scans == 1
+    assert a.commit(_minute_rows(range(50, 60), 5)).rows_existing_key == 10  # left out: one scan of minute 5
+    assert a.known_keys.stats.scans == 2
+    assert a.known_keys.stats.peak_keys <= 100 + 10
+    assert _ids(catalog) == sorted(f"e{i}" for i in range(310))
+
+
+def test_the_bound_is_a_job_setting(tmp_path: Path) -> None:
+    conf = str(Path(__file__).resolve().parents[2] / "conf" / "clicks.yaml")
+    shipped = load_job_config(conf).iceberg
+    assert shipped is not None and shipped.known_keys_max == 1_000_000
+    ice = load_job_config(conf, ["iceberg.known_keys_max=5"]).iceberg
+    assert ice is not None and ice.known_keys_max == 5
+    with pytest.raises(ConfigError, match=r"iceberg\.known_keys_max must be at least 1"):
+        load_job_config(conf, ["iceberg.known_keys_max=0"])
+    catalog = open_catalog(CatalogConfig.local(tmp_path))
+    committer = IcebergCommitter(catalog, "kk.t", "kk-sink", key_column="event_id", known_keys_max=ice.known_keys_max)
+    assert committer.known_keys is not None and committer.known_keys.max_keys == 5
