@@ -18,11 +18,13 @@ Exactness: the answer for a key in a covered range is the table's content at the
   a scan of a sliver costs nearly what its hour costs to plan), else just the missing minutes;
 - ``max_keys`` bounds the memory (a million 32-character ids are about 120 MB in a Python set; the job setting
   ``iceberg.known_keys_max``): past it the oldest minutes the batch does not need are dropped, and a later batch
-  that needs one of them scans just that minute again. A scan keeps the batch's minutes and then the newest others
-  while the bound allows, the rest staying uncovered (kept as Arrow until then, never as Python strings), so a
-  restart on a busy stream's backlog (an hour at 1,500 events/s is 5.4 million ids) holds no more than the bound. Before, past it every key was dropped and the next batch scanned its whole days again: once a day held more
-  than ``max_keys`` rows (about an hour at 300 events/s, since every committer follows every other's appends), a
-  stream went back to a scan of the day's key column per commit, the stall this module exists to prevent.
+  that needs one of them scans just that minute again. Before, past it every key was dropped and the next batch
+  scanned its whole days again: once a day held more than ``max_keys`` rows (about an hour at 300 events/s, since
+  every committer follows every other's appends), a stream went back to a scan of the day's key column per commit,
+  the stall this module exists to prevent.
+- a scan keeps the batch's minutes and then the newest others while the bound allows; the rest stay uncovered, and
+  their keys are never made into Python strings. So a restart on a busy stream's backlog (an hour at 1,500 events/s
+  is 5.4 million ids) holds the bound, not the hour (``benchmarks/known_keys.py``).
 - without ``time_column`` (or with one that is not a timestamp, or for a batch with no time at all) the covered
   range is the whole table, kept whole: past ``max_keys`` it is dropped and scanned again by the next batch.
 """
@@ -144,27 +146,26 @@ class KnownKeys:
         micros = pc.cast(column, pa.int64()).fill_null(0)
         return np.floor_divide(micros.to_numpy(), width)
 
-    def _grouped(self, rows: pa.Table) -> list[tuple[Any, pa.ChunkedArray]]:
-        """The keys of ``rows`` per bucket, as Arrow slices (so a bucket never kept is never made into Python
-        strings): ``_NO_TIME`` for rows without a time."""
+    def _grouped(self, rows: pa.Table) -> list[tuple[Any, _Keys]]:
+        """The keys of ``rows`` per bucket (``_NO_TIME`` for rows without a time), each taken from Arrow only when
+        asked for: a bucket never kept is never copied or made into Python strings."""
         keys = rows[self.key_column]
         if not self._timed(rows):  # a file written without the time column: its rows have no time
-            return [(_NO_TIME, keys)] if len(keys) else []
+            return [(_NO_TIME, _Keys(keys))] if len(keys) else []
         column = rows[self.time_column]
         valid = column.is_valid()
-        groups: list[tuple[Any, pa.ChunkedArray]] = []
+        groups: list[tuple[Any, _Keys]] = []
         if column.null_count:
-            groups.append((_NO_TIME, keys.filter(pc.invert(valid))))
+            groups.append((_NO_TIME, _Keys(keys.filter(pc.invert(valid)))))
             keys, column = keys.filter(valid), column.filter(valid)
         if not len(keys):
             return groups
         numbers = self._bucket_numbers(column)
         order = np.argsort(numbers, kind="stable")
         numbers = numbers[order]
-        keys = keys.take(pa.array(order))
         bounds = [0, *(np.flatnonzero(np.diff(numbers)) + 1).tolist(), len(numbers)]  # where each bucket starts
         for begin, end in itertools.pairwise(bounds):
-            groups.append((int(numbers[begin]), keys.slice(begin, end - begin)))
+            groups.append((int(numbers[begin]), _Keys(keys, order[begin:end])))
         return groups
 
     def _add(self, rows: pa.Table) -> None:
@@ -297,6 +298,23 @@ class KnownKeys:
         assert self.time_column is not None
         self.stats.scans += 1
         return self._scan(table, base.snapshot_id, row_filter, [self.key_column, self.time_column])
+
+
+class _Keys:
+    """Some keys of an Arrow column: all of them, or those at ``rows`` (a numpy array of row numbers)."""
+
+    __slots__ = ("column", "rows")
+
+    def __init__(self, column: Any, rows: Any = None) -> None:
+        self.column = column
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.column) if self.rows is None else len(self.rows)
+
+    def to_pylist(self) -> list[Any]:
+        taken = self.column if self.rows is None else self.column.take(pa.array(self.rows))
+        return list(taken.to_pylist())
 
 
 def _literal(value: dt.datetime) -> str:
