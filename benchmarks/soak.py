@@ -1,7 +1,15 @@
 """Soak of the streaming clicks job on Flink (issue 15, item 4): memory and checkpoint size under steady traffic.
 
     BEAMFLOW_DATA=$PWD/.data/soak .venv/bin/python -m benchmarks.soak [--minutes 10] [--rate 100] \
-        [--sample-s 30] [--checkpoint-ms 10000] [--json F]
+        [--sample-s 30] [--checkpoint-ms 10000] [--restart-down-s 0] [--json F]
+    BEAMFLOW_DATA=$PWD/.data/soak .venv/bin/python -m benchmarks.soak --resume <the soak's conf> \
+        --restart-down-s 120 --rate 1500 [--json F]
+
+``--restart-down-s S`` ends the soak as an upgrade does: the job stopped with a savepoint, S seconds of live traffic
+piling up, the job restored from the savepoint by fresh Python workers, sampled every 5 s until the lag is under two
+checkpoint intervals of traffic, then 60 s more (``restore_and_catch_up``). ``--resume`` does only that, for the job
+of an earlier soak (its conf is written beside its savepoints, under the warehouse's ``soak`` folder), from the
+newest savepoint there.
 
 On demand, not in the test run. The job is ``pipelines.clicks`` in the production shape (parallelism 2 over two
 TaskManagers with their Python SDK workers, ``conf/flink.yaml``'s settings, checkpoints every ``--checkpoint-ms``),
@@ -152,6 +160,55 @@ def report(samples: list[dict[str, Any]], from_s: float) -> list[str]:
     return lines
 
 
+def restore_and_catch_up(
+    rest: Any, config: dict[str, Any], workdir: Path, flink: Any, savepoint: str, down_s: float, rate: float
+) -> dict[str, Any]:
+    """An upgrade's restart under live traffic: after ``down_s`` of traffic piling up, the job restored from
+    ``savepoint`` by fresh Python workers (whose committers know no keys yet: the first commit scans the hour the
+    backlog's events fall in, an hour a soak has filled). Sampled every 5 s until the lag is under two checkpoint
+    intervals of traffic, then 60 s more: the catch-up's seconds, the Python workers' and TaskManagers' memory at
+    most, the checkpoints' durations (the latest completed one at each sample), failures and restarts."""
+    from benchmarks.flink_streaming import _submit
+
+    time.sleep(down_s)
+    config["flink"]["savepoint_path"] = savepoint
+    job_id, _ = _submit(config, workdir)
+    caught_up_lag = int(rate * 2 * config["flink"]["checkpointing_interval_ms"] / 1000)
+    t0 = time.monotonic()
+    samples: list[dict[str, Any]] = []
+    caught_up_s: float | None = None
+    while time.monotonic() < t0 + 1800:
+        if rest.job_state(job_id) != "RUNNING":
+            raise RuntimeError(f"the restored job is {rest.job_state(job_id)}: {rest.job_exceptions(job_id)}")
+        samples.append(sample(rest, job_id, flink, config["flink"]["job_name"], config, t0))
+        print(json.dumps({"restored": True, **samples[-1]}), flush=True)
+        lag = samples[-1]["lag"]
+        if caught_up_s is None and samples[-1]["checkpoints_completed"] and 0 <= lag <= caught_up_lag:
+            caught_up_s = samples[-1]["t_s"]
+        if caught_up_s is not None and samples[-1]["t_s"] >= caught_up_s + 60:
+            break
+        time.sleep(5)
+    counts = rest.checkpoints(job_id).get("counts", {})
+    report = [
+        f"restored from {savepoint} after {down_s:g} s down:",
+        f"  lag at most {max(s['lag'] for s in samples):,} records; under two intervals of traffic ({caught_up_lag:,}) "
+        + (f"after {caught_up_s:.0f} s" if caught_up_s is not None else "NEVER in 30 minutes"),
+        f"  Python workers at most {max(s['python_workers_rss_mb'] for s in samples):,.0f} MB, TaskManagers at most "
+        f"{max(s['taskmanager_rss_mb'] for s in samples):,.0f} MB",
+        f"  checkpoints completed {counts.get('completed')}, failed {counts.get('failed')}; the longest seen "
+        f"{max(s['checkpoint_duration_s'] for s in samples):.1f} s; restarts {len(rest.failure_history(job_id))}",
+    ]
+    return {"job_id": job_id, "samples": samples, "caught_up_s": caught_up_s, "report": report}
+
+
+def newest_savepoint(workdir: Path) -> str:
+    """The newest savepoint a soak took in ``workdir`` (each soak ends with one)."""
+    found = sorted((workdir / "savepoints").glob("savepoint-*"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise SystemExit(f"no savepoint under {workdir / 'savepoints'}")
+    return f"file://{found[-1]}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__.split("\n")[0])
     parser.add_argument("--minutes", type=float, default=10.0)
@@ -160,6 +217,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint-ms", type=int, default=10_000)
     parser.add_argument("--from-minute", type=float, default=2.0, help="growth is measured from this minute on")
     parser.add_argument("--json", help="write the samples here")
+    parser.add_argument(
+        "--restart-down-s",
+        type=float,
+        default=0.0,
+        help="then stop with a savepoint, let live traffic pile up this long, restore it, measure the catch-up",
+    )
+    parser.add_argument(
+        "--resume",
+        metavar="CONF",
+        help="no soak: restore the job of an earlier soak (its conf, written beside its savepoints) from its newest "
+        "savepoint after --restart-down-s of live traffic",
+    )
     parser.add_argument(
         "--probe",
         action="store_true",
@@ -172,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.flink_streaming import LiveProducer, _services, _submit, _variant_config
 
     states = _services()
+    if args.resume:
+        return resume(args, states)
     config = _variant_config("soak", states, 2)
     config["flink"]["checkpointing_interval_ms"] = args.checkpoint_ms
     config["postgres"]["first_copies_table"] = f"first_copies_{config['job']['name']}"
@@ -186,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     samples: list[dict[str, Any]] = []
     savepoints: list[tuple[int, float]] = []  # (t_s, MB): at --from-minute and at the end
+    restart: dict[str, Any] | None = None
     try:
         end = t0 + args.minutes * 60
         next_at = t0
@@ -204,10 +276,16 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(samples[-1]), flush=True)
             if last:
                 break
+        counts = rest.checkpoints(job_id).get("counts", {})
+        if args.restart_down_s:
+            location = rest.stop_with_savepoint(job_id, str(workdir / "savepoints"), timeout=300)
+            restart = restore_and_catch_up(
+                rest, config, workdir, states["flink"], location, args.restart_down_s, args.rate
+            )
+            job_id = restart["job_id"]
     finally:
         live.stop()
         rest.cancel(job_id)
-    counts = rest.checkpoints(job_id).get("counts", {})
     lines = report(samples, args.from_minute * 60)
     if len(savepoints) >= 2:
         (t1, mb1), (t2, mb2) = savepoints[0], savepoints[-1]
@@ -220,9 +298,42 @@ def main(argv: list[str] | None = None) -> int:
         f"records produced {live.produced:,} at {args.rate:g}/s; checkpoints completed {counts.get('completed')}, "
         f"failed {counts.get('failed')}, restored {counts.get('restored')}"
     )
+    if restart is not None:
+        lines += restart["report"]
     print("\n".join(lines))
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "samples": samples, "report": lines}, indent=2))
+        out = {"args": vars(args), "samples": samples, "report": lines, "restart": restart}
+        Path(args.json).write_text(json.dumps(out, indent=2))
+    return 0
+
+
+def resume(args: Any, states: dict[str, Any]) -> int:
+    import yaml
+
+    from beamflow.flink_rest import FlinkRest
+    from benchmarks.flink_streaming import LiveProducer
+
+    conf = Path(args.resume)
+    config = yaml.safe_load(conf.read_text())
+    savepoint = newest_savepoint(conf.parent)
+    rest = FlinkRest(config["flink"]["rest_url"])
+    partitions = int(config["kafka"]["partitions"])
+    live = LiveProducer(config, args.rate, {p: 0 for p in range(partitions)}, seed=78, keep=False)
+    live.start()
+    restart: dict[str, Any] | None = None
+    try:
+        restart = restore_and_catch_up(
+            rest, config, conf.parent, states["flink"], savepoint, args.restart_down_s, args.rate
+        )
+    finally:
+        live.stop()
+        if restart is not None:
+            rest.cancel(restart["job_id"])
+    if live.error is not None:
+        raise RuntimeError(f"live producer failed: {live.error}")
+    print("\n".join(restart["report"]))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "restart": restart}, indent=2))
     return 0
 
 
