@@ -98,6 +98,11 @@ class KnownKeys:
     def __len__(self) -> int:
         return len(self._keys)
 
+    @property
+    def covered_buckets(self) -> int:
+        """How many minutes (or whole-table ranges) are covered now, empty ones included."""
+        return len(self._buckets)
+
     def reset(self) -> None:
         if self._snapshot_id is not None:
             self.stats.resets += 1
@@ -189,15 +194,24 @@ class KnownKeys:
         if _WHOLE_TABLE in self._buckets:
             self.reset()  # the whole table is one range: it is kept whole or not at all
             return
-        # _NO_TIME first: a range scan never brings those keys back, so they go before any minute does.
-        order = sorted((b for b in self._buckets if b not in needed and b != _NO_TIME), key=int)
+        # _NO_TIME first: a range scan never brings those keys back, so they go before any minute does. An empty
+        # minute frees nothing, so it stays covered (a stream's next minutes would each be scanned otherwise).
+        buckets = self._buckets
+        order = sorted((b for b in buckets if b not in needed and b != _NO_TIME and buckets[b]), key=int)
         if _NO_TIME in self._buckets and _NO_TIME not in needed:
             order.insert(0, _NO_TIME)
+        horizon = None
         for bucket in order:
             if len(self._keys) <= self.max_keys:
                 break
             self._keys.difference_update(self._buckets.pop(bucket))
             self.stats.evicted_buckets += 1
+            horizon = bucket
+        if isinstance(horizon, int):  # empty minutes older than those dropped go too: the stream has moved past them
+            stale = [b for b, keys in buckets.items() if not keys and isinstance(b, int) and b < horizon]
+            for bucket in stale:
+                if bucket not in needed:
+                    del buckets[bucket]
 
     # ---- following the table ---------------------------------------------------------------------------------------
 
@@ -276,12 +290,16 @@ class KnownKeys:
         held stay near ``max_keys`` even when the scanned hour holds millions of rows (a restart on a backlog of a
         busy stream); before, the whole hour was held until the batch was done."""
         found = {bucket: keys for bucket, keys in self._grouped(scanned) if bucket != _NO_TIME}
+        full = False
         for bucket in sorted(span, key=lambda b: (b not in needed, -b)):
             keys = found.get(bucket)
-            size = len(keys) if keys is not None else 0
-            if bucket not in needed and len(self._keys) + size > self.max_keys:
-                break  # older minutes than this one stay uncovered too: the newest stretch is what streams need
-            self._hold(bucket, keys.to_pylist() if keys is not None else [])
+            if keys is None:  # an empty minute costs nothing to cover (the rest of the hour a stream is writing)
+                self._hold(bucket, [])
+                continue
+            # Past the bound, older minutes than this one stay uncovered too: the newest stretch is what streams need.
+            full = full or (bucket not in needed and len(self._keys) + len(keys) > self.max_keys)
+            if bucket in needed or not full:
+                self._hold(bucket, keys.to_pylist())
 
     def _between(self, low: int, high: int, kind: Any) -> Any:
         """``time_column`` in [start of bucket ``low``, start of bucket ``high``)."""

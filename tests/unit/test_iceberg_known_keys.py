@@ -35,7 +35,11 @@ def _rows(ids: range, day: int = 1) -> list[dict[str, Any]]:
 def _committers(tmp_path: Path, n: int = 2) -> tuple[Any, list[IcebergCommitter]]:
     catalog = open_catalog(CatalogConfig.local(tmp_path))
     catalog.create_namespace("kk")
-    return catalog, [
+    return catalog, _committers_of(catalog, n)
+
+
+def _committers_of(catalog: Any, n: int) -> list[IcebergCommitter]:
+    return [
         IcebergCommitter(
             catalog,
             "kk.t",
@@ -200,7 +204,16 @@ def test_a_scan_of_a_busy_hour_holds_no_more_than_the_bound(tmp_path: Path) -> N
     assert a.commit(_minute_rows(range(50, 60), 5)).rows_existing_key == 10  # left out: one scan of minute 5
     assert a.known_keys.stats.scans == 2
     assert a.known_keys.stats.peak_keys <= 100 + 10
-    assert _ids(catalog) == sorted(f"e{i}" for i in range(310))
+    # A committer whose first batch alone is over the bound still covers the hour's empty minutes (they cost
+    # nothing): the stream's next minutes are answered without a scan each.
+    (c,) = _committers_of(catalog, 1)
+    assert c.known_keys is not None
+    c.known_keys.max_keys = 5
+    assert c.commit(_minute_rows(range(300, 310), 30)).rows_existing_key == 10
+    for minute in (31, 32):
+        assert c.commit(_minute_rows(range(minute * 10, minute * 10 + 10), minute)).rows_written == 10
+    assert c.known_keys.stats.scans == 1
+    assert _ids(catalog) == sorted(f"e{i}" for i in range(330))
 
 
 def test_the_bound_is_a_job_setting(tmp_path: Path) -> None:
@@ -214,3 +227,19 @@ def test_the_bound_is_a_job_setting(tmp_path: Path) -> None:
     catalog = open_catalog(CatalogConfig.local(tmp_path))
     committer = IcebergCommitter(catalog, "kk.t", "kk-sink", key_column="event_id", known_keys_max=ice.known_keys_max)
     assert committer.known_keys is not None and committer.known_keys.max_keys == 5
+
+
+def test_a_sparse_stream_does_not_pile_up_empty_minutes(tmp_path: Path) -> None:
+    """Empty minutes stay covered (they cost no keys), but not for ever: those older than the minutes the bound
+    dropped go too, or a stream with quiet minutes would grow its coverage by every quiet minute it ever saw."""
+    catalog, (a, b) = _committers(tmp_path)
+    assert a.known_keys is not None and b.known_keys is not None
+    a.known_keys.max_keys = b.known_keys.max_keys = 100
+    for step, minute in enumerate(range(0, 240, 2)):  # four hours, every other minute quiet
+        writer = a if step % 2 else b
+        assert writer.commit(_minute_rows(range(step * 20, step * 20 + 20), minute)).rows_written == 20
+    covered = a.known_keys.covered_buckets
+    # The last hour scanned (60 minutes) and the kept minutes before it, not four hours of quiet minutes.
+    assert covered <= 60 + 10, f"{covered} minutes covered"
+    assert a.commit(_minute_rows(range(0, 20), 0)).rows_existing_key == 20  # a dropped minute: scanned, exact
+    assert _ids(catalog) == sorted(f"e{i}" for i in range(120 * 20))
