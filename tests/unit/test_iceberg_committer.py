@@ -159,3 +159,21 @@ def test_a_long_run_of_commits_keeps_the_manifest_list_bounded(tmp_path: Path, o
     else:  # the owner's explicit choice is kept, and this is what it costs
         assert table.properties[MANIFEST_MERGE] == "false"
         assert manifests == commits
+
+
+def test_every_rows_fields_become_columns_not_just_the_first_rows() -> None:
+    """``pa.Table.from_pylist`` takes its columns from the first row: a field only later rows have (a new optional
+    field from the middle of a stream on) was dropped without a word. Every key of every row is a column."""
+    rows = rows_to_arrow(
+        [
+            {"id": 1, "_kafka": {"topic": "t", "partition": 0, "offset": 1}},
+            {"id": 2, "coupon": "X1", "_kafka": {"topic": "t", "partition": 0, "offset": 2}},
+            {"id": 3, "topic": "u", "_kafka": None, "partition": 1, "offset": 3},
+        ]
+    )
+    assert sorted(rows.column_names) == ["coupon", "id", "offset", "partition", "topic"]
+    assert rows["coupon"].to_pylist() == [None, "X1", None]
+    # A row without the sub-dict keeps its top-level coordinates; the sub-dict wins where both are given.
+    assert rows["topic"].to_pylist() == ["t", "t", "u"]
+    assert rows["offset"].to_pylist() == [1, 2, 3]
+    assert rows.schema.field("partition").type == pa.int32()
