@@ -10,16 +10,19 @@ from typing import Any
 import apache_beam as beam
 import pyarrow as pa
 from apache_beam import pvalue
+from apache_beam.metrics import Metrics
 
 from beamflow.deadletter import DeadLetter, encode_payload
 from beamflow.iceberg.catalog import CatalogConfig, open_catalog
 from beamflow.iceberg.committer import (
     DEFAULT_COORDINATES,
+    CommitResult,
     CoordinateFields,
     IcebergCommitter,
     SchemaEvolutionError,
     marks_property,
 )
+from beamflow.iceberg.known_keys import KnownKeys
 from transforms.sink_base import DEAD_LETTERS, WRITTEN, Declared, Guarantee, SinkFn, SinkResult
 
 __all__ = ["WriteToIceberg"]
@@ -29,6 +32,48 @@ log = logging.getLogger(__name__)
 # A batch failing with these is bad data (a type clash, a refused schema change), not a transient failure.
 _DATA_ERRORS = (SchemaEvolutionError, pa.ArrowInvalid, pa.ArrowTypeError)
 _STAGE = "WriteToIceberg"
+METRICS_NAMESPACE = "beamflow.iceberg"
+
+
+class _CommitMetrics:
+    """Beam metrics of one worker's committer, reported once per commit (Flink shows them per subtask): commits and
+    rows by outcome, and the known keys' scans, files followed, resets, minutes dropped (counters) and keys held
+    (gauge). A scan per commit, or keys held at ``known_keys_max`` with minutes dropped at every commit, is the
+    lookup going back to what a stream cannot afford (``beamflow/iceberg/known_keys.py``)."""
+
+    COUNTERS = (
+        "commits",
+        "rows_written",
+        "rows_existing_key",
+        "rows_below_marks",
+        "rows_duplicate_in_batch",
+        "known_keys_scans",
+        "known_keys_files_read",
+        "known_keys_resets",
+        "known_keys_evicted_minutes",
+    )
+
+    def __init__(self) -> None:
+        self.counters = {name: Metrics.counter(METRICS_NAMESPACE, name) for name in self.COUNTERS}
+        self.held = Metrics.gauge(METRICS_NAMESPACE, "known_keys_held")
+        self._known = (0, 0, 0, 0)  # the known keys' stats at the last report (they count since creation)
+
+    def report(self, result: CommitResult, known_keys: KnownKeys | None) -> None:
+        counters = self.counters
+        counters["commits"].inc()
+        for name in ("rows_written", "rows_existing_key", "rows_below_marks", "rows_duplicate_in_batch"):
+            if value := getattr(result, name):
+                counters[name].inc(value)
+        if known_keys is None:
+            return
+        stats = known_keys.stats
+        now = (stats.scans, stats.files_read, stats.resets, stats.evicted_buckets)
+        names = ("known_keys_scans", "known_keys_files_read", "known_keys_resets", "known_keys_evicted_minutes")
+        for name, value, before in zip(names, now, self._known, strict=True):
+            if value > before:
+                counters[name].inc(value - before)
+        self._known = now
+        self.held.set(len(known_keys))
 
 
 def _coordinates_of(row: Mapping[str, Any], fields: CoordinateFields) -> tuple[Any, Any, Any]:
@@ -145,6 +190,7 @@ class _Committing:
             coordinates=self.fields,
             known_keys_max=self.known_keys_max,
         )
+        self._metrics = _CommitMetrics()
 
     def _commit_or_split(self, rows: list[dict[str, Any]], split: bool) -> Iterator[Any]:
         """Commits the batch; if its data is bad, commits halves in offset order until the bad rows stand alone.
@@ -168,6 +214,7 @@ class _Committing:
             yield from self._commit_or_split(rows[mid:], split=True)
             return
         self._commits += 1
+        self._metrics.report(result, self._committer.known_keys)
         if self.expire_keep_last is not None and result.rows_written and self._commits % self.expire_every == 0:
             from beamflow.iceberg.maintenance import expire_snapshots
 
@@ -299,6 +346,11 @@ class WriteToIceberg(beam.PTransform):
                 "analytics.impressions", catalog, sink_id="impressions-v1", partition_by=[("event_time", "day")]
             )
             result.written | beam.Map(lambda commit: print(commit["rows_written"]))   # 3
+
+    Metrics (Beam, namespace ``beamflow.iceberg``, per commit): ``commits``, ``rows_written``,
+    ``rows_existing_key``, ``rows_below_marks``, ``rows_duplicate_in_batch``, ``known_keys_scans``,
+    ``known_keys_files_read``, ``known_keys_resets``, ``known_keys_evicted_minutes`` and the gauge
+    ``known_keys_held``.
 
     Needs: a SQL catalog (SQLite for development, PostgreSQL in production) and a warehouse folder every
     worker can reach.
