@@ -45,6 +45,11 @@ KNOWN_METRICS: tuple[tuple[str, str], ...] = (
     ("beamflow_deduplicate_duplicates", "duplicates quarantined"),
     ("beamflow_hot_key_aggregate_input_elements", "session inputs"),
     ("beamflow_hot_key_aggregate_aggregated_elements", "session inputs aggregated (not late)"),
+    ("beamflow_iceberg_commits", "Iceberg commits"),
+    ("beamflow_iceberg_rows_written", "Iceberg rows written"),
+    ("beamflow_iceberg_rows_existing_key", "Iceberg rows already in the table (replays)"),
+    ("beamflow_iceberg_known_keys_scans", "Iceberg key lookups that scanned the table"),
+    ("beamflow_iceberg_known_keys_held", "Iceberg keys held by the committers"),
     ("beamflow_postgres_rows_written", "PostgreSQL rows written"),
     ("beamflow_postgres_retries", "PostgreSQL retries"),
 )

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from beamflow.cli.status import beam_metrics
 from beamflow.config import load_config
 from beamflow.flink_rest import FlinkRest
 from beamflow.generate import GeneratedTraffic, TrafficSpec, avro_click_encoder, generate_traffic
@@ -166,12 +167,15 @@ def backlog_run(
         result["timings"]["lag_zero_s"] = round(time.monotonic() - t0, 1)
         assert job.job_id is not None
         rest = FlinkRest(config["flink"]["rest_url"])
+        # A quick catch-up can be done within two checkpoints; three make "every checkpoint completed" mean something.
+        rest.wait_for_checkpoints(job.job_id, count=3, timeout=120)
         result["state"] = rest.job_state(job.job_id)
         result["checkpoints"] = rest.checkpoints(job.job_id)
         result["failures"] = rest.failure_history(job.job_id)
         result["end_offsets"] = end
         # What was seen: the test below judges it (other tests go on).
         result["partition_owners"] = partition_owners(rest, job.job_id, config["kafka"]["topic"], 4, timeout=90)
+        result["iceberg_metrics"] = _iceberg_metrics(rest, job.job_id, traffic.counts["events"])
     finally:
         job.cancel()
     if job.job_id is not None:  # retained on cancellation: what the job's state held after minutes of deferrals
@@ -182,9 +186,22 @@ def backlog_run(
     result["session_events"] = session_events(config)
     print(
         f"\nbacklog run: {traffic.summary()} timings {result['timings']} counts {result.get('counts')} "
-        f"checkpoints {_checkpoint_history(result.get('checkpoints', {}))}"
+        f"checkpoints {_checkpoint_history(result.get('checkpoints', {}))} iceberg {result.get('iceberg_metrics')}"
     )
     yield result
+
+
+def _iceberg_metrics(rest: FlinkRest, job_id: str, events: int, timeout: float = 60) -> dict[str, float]:
+    """The impressions sink's Beam metrics summed over its subtasks, once they count every event written (Flink's
+    metric store refreshes asynchronously); what they say after ``timeout`` otherwise (the test then fails on it)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        totals, _ = beam_metrics(rest, job_id)  # what `beamflow status` shows
+        prefix = "beamflow_iceberg_"
+        metrics = {name.removeprefix(prefix): value for name, value in totals.items() if name.startswith(prefix)}
+        if metrics.get("rows_written") == events or time.monotonic() > deadline:
+            return metrics
+        time.sleep(2)
 
 
 def _topic_the_hash_alone_would_skew(config: dict[str, Any], partitions: int) -> str:
@@ -262,6 +279,22 @@ def test_every_record_lands_once_in_the_sink_it_belongs_to(backlog_run: dict[str
     assert backlog_run["problems"] == []
     assert backlog_run["overlapping_sessions"] == 0
     assert 0 < backlog_run["session_events"] <= backlog_run["traffic"].counts["events"]
+
+
+def test_the_iceberg_commits_scan_each_hour_once_not_each_commit(backlog_run: dict[str, Any]) -> None:
+    """Each worker's committer scans the event ids of an hour of event time once, the first time a batch needs it,
+    then follows the table's appends (``beamflow/iceberg/known_keys.py``): under the backlog, on the cluster, the
+    scans stay at the hours the traffic touches however many commits there are. Read from the job's own metrics,
+    which also count every unique event written once (the audit above checks the table itself). A lookup that scans
+    per commit (the job with ``iceberg.known_keys_max: 1``) fails it."""
+    metrics = backlog_run["iceberg_metrics"]
+    traffic = backlog_run["traffic"]
+    hours = {r.event["event_time"] // 3_600_000 for r in traffic.records if r.kind == "event" and r.event}
+    parallelism = backlog_run["config"]["flink"]["parallelism"]
+    assert metrics.get("rows_written") == traffic.counts["events"], metrics
+    # More commits than the scans allowed: a lookup scanning per commit would exceed the bound below.
+    assert metrics["commits"] > parallelism * len(hours), f"too few commits for the check to mean much: {metrics}"
+    assert metrics["known_keys_scans"] <= parallelism * len(hours), f"{len(hours)} hours of event time, {metrics}"
 
 
 def test_the_read_leaves_no_state_behind_per_deferral(backlog_run: dict[str, Any]) -> None:
