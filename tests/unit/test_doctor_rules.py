@@ -50,6 +50,7 @@ CASES: dict[str, tuple[list[str], list[str], str]] = {
         "warning",
     ),
     "iceberg-commit-per-bundle": ([], ["flink.max_bundle_time_ms=10000"], "info"),
+    "known-keys-bound-small": (["iceberg.known_keys_max=1000"], ["iceberg.known_keys_max=100000"], "warning"),
     "kafka-auto-commit": (
         ["kafka.consumer_config={enable.auto.commit: 'true'}"],
         ["kafka.consumer_config={fetch.min.bytes: 1}"],
