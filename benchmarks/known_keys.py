@@ -69,16 +69,18 @@ def build_table(work: Path, ids: int, files: int) -> Path:
     return folder
 
 
-def _batch(first: int, count: int, minute: int) -> Any:
-    """``count`` rows in ``minute`` of the hour, ids from ``first`` on (the table's own ids are replays)."""
+def _batch(replayed_first: int, fresh_first: int, count: int, minute: int) -> Any:
+    """``count`` replays of the table's ids from ``replayed_first`` on and ``count`` new ids from ``fresh_first`` on,
+    at times in ``minute`` of the hour."""
     import pyarrow as pa
 
     start = HOUR + dt.timedelta(minutes=minute)
+    ids = [*range(replayed_first, replayed_first + count), *range(fresh_first, fresh_first + count)]
     return pa.table(
         {
-            "event_id": pa.array([f"{i:032x}" for i in range(first, first + count)], pa.string()),
+            "event_id": pa.array([f"{i:032x}" for i in ids], pa.string()),
             "event_time": pa.array(
-                [start + dt.timedelta(milliseconds=i % 60_000) for i in range(count)], pa.timestamp("us", tz="UTC")
+                [start + dt.timedelta(milliseconds=i % 60_000) for i in ids], pa.timestamp("us", tz="UTC")
             ),
         }
     )
@@ -103,12 +105,13 @@ def child(folder: Path, ids: int, files: int, max_keys: int, source: str | None)
     table = catalog.load_table("kk.t")
     base = table.current_snapshot()
     assert base is not None
-    per_file = ids // files
-    last = files - 1
-    batches = [  # (what, batch): each half replays of the table's rows, half new ids
-        ("last minute, not covered", _batch(last * per_file + per_file // 2, per_file, last * 60 // files)),
-        ("last minute again", _batch(last * per_file + per_file // 2, per_file, last * 60 // files)),
-        ("an early minute", _batch(2 * per_file + per_file // 2, per_file, 2 * 60 // files)),
+    per_file = ids // files  # file k holds ids k * per_file on, in minute k * 60 // files of the hour
+    half = per_file // 2
+    early = 2 * files // 60  # the first file of minute 2
+    batches = [  # (what, batch): half replays of one file's ids, half ids the table does not hold
+        ("last minute, not covered", _batch((files - 1) * per_file, ids, half, 59)),
+        ("last minute again", _batch((files - 1) * per_file, ids, half, 59)),
+        ("an early minute", _batch(early * per_file, ids + half, half, 2)),
     ]
     most = 0
     trim = keys._trim
