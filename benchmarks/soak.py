@@ -130,7 +130,7 @@ def growth(samples: list[dict[str, Any]], key: str, from_s: float) -> float | No
 
 def report(samples: list[dict[str, Any]], from_s: float) -> list[str]:
     header = f"{'t (s)':>6} {'TM RSS MB':>10} {'heap used':>9} {'heap comm':>9} {'non-heap':>8} {'managed':>7} " + (
-        f"{'workers':>7} {'worker RSS MB':>13} {'ckpt':>5} {'state MB':>9} {'incr MB':>8} {'lag':>6}"
+        f"{'workers':>7} {'worker RSS MB':>13} {'ckpt':>5} {'ckpt s':>6} {'state MB':>9} {'incr MB':>8} {'lag':>6}"
     )
     lines = [header]
 
@@ -142,7 +142,8 @@ def report(samples: list[dict[str, Any]], from_s: float) -> list[str]:
             f"{s['t_s']:>6} {s['taskmanager_rss_mb']:>10.1f} {mb(s.get('tm_heap_used_mb'), 9)} "
             f"{mb(s.get('tm_heap_committed_mb'), 9)} {mb(s.get('tm_nonheap_used_mb'), 8)} "
             f"{mb(s.get('tm_managed_used_mb'), 7)} {s['python_workers']:>7} "
-            f"{s['python_workers_rss_mb']:>13.1f} {s['checkpoint_id'] or '-':>5} {s['checkpoint_state_mb']:>9.3f} "
+            f"{s['python_workers_rss_mb']:>13.1f} {s['checkpoint_id'] or '-':>5} "
+            f"{s.get('checkpoint_duration_s', 0):>6.1f} {s['checkpoint_state_mb']:>9.3f} "
             f"{s['checkpoint_incremental_mb']:>8.3f} {s['lag']:>6}"
         )
     lines.append(f"growth from minute {from_s / 60:g} to the last sample (goal < {GOAL_GROWTH:.0%}):")
