@@ -4,8 +4,9 @@
 
 The moment measured: a job restarts on the backlog of a busy stream. Its table holds ``--ids`` event ids in one hour of
 event time (``--files`` appends, a minute each, as a stream's commits add them; at 1,500 events/s an hour is 5.4
-million), and a committer that has not seen the table yet commits batches in that hour: the hour's last minute (not
-covered yet: the hour is scanned), the same minute again (answered from memory), and an early minute of the hour.
+million), and a committer that has not seen the table yet commits batches in that hour, as a job restarted 45 minutes
+into it does: minute 45 (not covered yet: a scan), the same minute again (answered from memory), and an early minute
+of the hour (a late event).
 
 Each variant runs in a subprocess of its own (this tree's ``beamflow/iceberg/known_keys.py``, and the file at
 ``--against``, loaded from git in its place), on the same table, read only. Printed per variant: the seconds of each
@@ -108,9 +109,10 @@ def child(folder: Path, ids: int, files: int, max_keys: int, source: str | None)
     per_file = ids // files  # file k holds ids k * per_file on, in minute k * 60 // files of the hour
     half = per_file // 2
     early = 2 * files // 60  # the first file of minute 2
+    restart = 45 * files // 60  # the first file of minute 45
     batches = [  # (what, batch): half replays of one file's ids, half ids the table does not hold
-        ("last minute, not covered", _batch((files - 1) * per_file, ids, half, 59)),
-        ("last minute again", _batch((files - 1) * per_file, ids, half, 59)),
+        ("minute 45, not covered", _batch(restart * per_file, ids, half, 45)),
+        ("minute 45 again", _batch(restart * per_file, ids, half, 45)),
         ("an early minute", _batch(early * per_file, ids + half, half, 2)),
     ]
     most = 0

@@ -207,7 +207,7 @@ def newest_savepoint(workdir: Path) -> str:
     found = sorted((workdir / "savepoints").glob("savepoint-*"), key=lambda p: p.stat().st_mtime)
     if not found:
         raise SystemExit(f"no savepoint under {workdir / 'savepoints'}")
-    return f"file://{found[-1]}"
+    return f"file://{found[-1].resolve()}"
 
 
 def main(argv: list[str] | None = None) -> int:
