@@ -13,10 +13,9 @@ Exactness: the answer for a key in a covered range is the table's content at the
 - only ``append`` snapshots add rows; a ``replace`` (compaction) rewrites rows it does not change, so its files are
   skipped; any other operation (``overwrite``, ``delete``: rows may be gone) or a base that does not descend from the
   known snapshot (expiry took it, or the history was rolled back) drops everything and starts over with a scan;
-- coverage is kept per minute of ``time_column`` (``bucket_s``): a batch's minutes not covered yet are scanned, from
-  the minute to the end of its hour when none of that hour is covered (a stream's next batches fall in the minutes
-  after, and a scan of a sliver costs nearly what the rest of its hour costs to plan), else just the missing
-  minutes;
+- coverage is kept per minute of ``time_column`` (``bucket_s``): a batch's minutes not covered yet are scanned, a
+  whole hour at a time when none of that hour is covered (a backlog's batches all fall in about the same hours, and
+  a scan of a sliver costs nearly what its hour costs to plan), else just the missing minutes;
 - ``max_keys`` bounds the memory (a million 32-character ids are about 120 MB in a Python set; the job setting
   ``iceberg.known_keys_max``): past it the oldest minutes the batch does not need are dropped, and a later batch
   that needs one of them scans just that minute again. Before, past it every key was dropped and the next batch
@@ -278,10 +277,7 @@ class KnownKeys:
             if any(b in self._buckets for b in range(hour, hour + per_widen)):
                 missing.add(bucket)
             else:
-                # Widened forward only, to the hour's end: a stream's next batches fall in the minutes after this
-                # one, and the minutes before it (all of the hour a restart finds already written) only late
-                # events need. A restart 45 minutes into a busy hour scans 15 minutes, not 60.
-                missing.update(range(bucket, hour + per_widen))
+                missing.update(range(hour, hour + per_widen))
         for low, high in _runs(sorted(missing)):
             scanned = self._scan_range(table, base, self._between(low, high + 1, batch[self.time_column].type))
             self._cover_from(range(low, high + 1), scanned, needed)

@@ -195,7 +195,7 @@ def test_a_scan_of_a_busy_hour_holds_no_more_than_the_bound(tmp_path: Path) -> N
         assert b.commit(_minute_rows(range(minute * 10, minute * 10 + 10), minute)).rows_written == 10
     assert a.known_keys is not None
     a.known_keys.max_keys = 100
-    # a's first batch replays the hour's first minute: the scan reads the hour from there on, all 300 keys.
+    # a's first batch replays the hour's first minute: the hour is scanned, all 300 keys.
     assert a.commit(_minute_rows(range(0, 10), 0)).rows_existing_key == 10
     assert a.known_keys.stats.scans == 1
     assert a.known_keys.stats.peak_keys <= 100 + 10, "the bound holds through the scan, up to the batch's own keys"
@@ -205,8 +205,8 @@ def test_a_scan_of_a_busy_hour_holds_no_more_than_the_bound(tmp_path: Path) -> N
     assert a.commit(_minute_rows(range(50, 60), 5)).rows_existing_key == 10  # left out: one scan of minute 5
     assert a.known_keys.stats.scans == 2
     assert a.known_keys.stats.peak_keys <= 100 + 10
-    # A committer whose first batch alone is over the bound still covers the rest of the hour's empty minutes (they
-    # cost nothing): the stream's next minutes are answered without a scan each.
+    # A committer whose first batch alone is over the bound still covers the hour's empty minutes (they cost
+    # nothing): the stream's next minutes are answered without a scan each.
     (c,) = _committers_of(catalog, 1)
     assert c.known_keys is not None
     c.known_keys.max_keys = 5
@@ -215,24 +215,6 @@ def test_a_scan_of_a_busy_hour_holds_no_more_than_the_bound(tmp_path: Path) -> N
         assert c.commit(_minute_rows(range(minute * 10, minute * 10 + 10), minute)).rows_written == 10
     assert c.known_keys.stats.scans == 1
     assert _ids(catalog) == sorted(f"e{i}" for i in range(320))
-
-
-def test_a_restart_late_in_an_hour_scans_from_its_minute_on(tmp_path: Path) -> None:
-    """A committer's first batch in a minute of an hour it knows nothing of scans from that minute to the hour's
-    end, not the whole hour: a stream's next batches fall in the minutes after, and the hour's earlier minutes (all
-    a restart 45 minutes into a busy hour finds written) only late events need, each through a scan of its own.
-    Before, the whole hour was scanned (here all 45 minutes before the batch's)."""
-    catalog, (a, b) = _committers(tmp_path)
-    for minute in range(45):
-        b.commit(_minute_rows(range(minute * 10, minute * 10 + 10), minute))
-    assert a.known_keys is not None
-    assert a.commit(_minute_rows(range(440, 460), 44)).rows_existing_key == 10  # minute 44: 10 replays, 10 new
-    assert len(a.known_keys) == 20, "only minute 44 on was read (its 10 replays) and the batch's 10 new keys added"
-    assert a.commit(_minute_rows(range(460, 470), 46)).rows_written == 10  # covered: no scan
-    assert a.known_keys.stats.scans == 1
-    assert a.commit(_minute_rows(range(0, 10), 0)).rows_existing_key == 10  # a late replay: one scan of minute 0
-    assert a.known_keys.stats.scans == 2
-    assert _ids(catalog) == sorted(f"e{i}" for i in range(470))
 
 
 def test_the_bound_is_a_job_setting(tmp_path: Path) -> None:
