@@ -109,6 +109,14 @@ def sample(rest: Any, job_id: str, flink: Any, job_name: str, config: dict[str, 
     }
 
 
+def sample_running(rest: Any, job_id: str, flink: Any, config: dict[str, Any], t0: float) -> dict[str, Any]:
+    """``sample`` of a job that must still run: a soak stops at the first failure rather than sample a dead job."""
+    state = rest.job_state(job_id)
+    if state != "RUNNING":
+        raise RuntimeError(f"the job is {state}: {rest.job_exceptions(job_id)}")
+    return sample(rest, job_id, flink, config["flink"]["job_name"], config, t0)
+
+
 def savepoint_mb(rest: Any, job_id: str, target: Path) -> float:
     """Takes a savepoint (Flink's canonical format: live state only, no RocksDB files) and returns its size in MB.
 
@@ -179,9 +187,7 @@ def restore_and_catch_up(
     samples: list[dict[str, Any]] = []
     caught_up_s: float | None = None
     while time.monotonic() < t0 + 1800:
-        if rest.job_state(job_id) != "RUNNING":
-            raise RuntimeError(f"the restored job is {rest.job_state(job_id)}: {rest.job_exceptions(job_id)}")
-        samples.append(sample(rest, job_id, flink, config["flink"]["job_name"], config, t0))
+        samples.append(sample_running(rest, job_id, flink, config, t0))
         print(json.dumps({"restored": True, **samples[-1]}), flush=True)
         lag = samples[-1]["lag"]
         if caught_up_s is None and samples[-1]["checkpoints_completed"] and 0 <= lag <= caught_up_lag:
@@ -266,9 +272,7 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(max(0.0, next_at - time.monotonic()))
             if live.error is not None:
                 raise RuntimeError(f"live producer failed: {live.error}")
-            if rest.job_state(job_id) != "RUNNING":
-                raise RuntimeError(f"the job is {rest.job_state(job_id)}: {rest.job_exceptions(job_id)}")
-            samples.append(sample(rest, job_id, states["flink"], config["flink"]["job_name"], config, t0))
+            samples.append(sample_running(rest, job_id, states["flink"], config, t0))
             next_at += args.sample_s
             last = next_at > end + 1
             if (not savepoints and samples[-1]["t_s"] >= args.from_minute * 60) or last:

@@ -24,7 +24,7 @@ from typing import Any
 
 from beamflow.flink_rest import TERMINAL_STATES, FlinkRest, FlinkRestError
 
-__all__ = ["JobStatus", "collect_status", "format_status", "register"]
+__all__ = ["JobStatus", "beam_metrics", "collect_status", "format_status", "metrics_gap", "register"]
 
 _BEAM_PREFIX = "beamflow_"
 # Flink reports "no watermark yet" as Long.MIN_VALUE; Beam's end of time (a finished input) is about 2**63 / 1000 ms.
@@ -67,6 +67,7 @@ class JobStatus:
     iceberg_commits: list[dict[str, Any]] | None = None  # newest first: time, rows added
     # Since the job started, from the sinks (all attempts): label -> count; None without --conf.
     sink_totals: dict[str, int] | None = None
+    metrics_gap: str | None = None  # why a running job shows no Beam metric (``metrics_gap``)
 
     @property
     def late_dropped(self) -> float | None:
@@ -108,6 +109,36 @@ def beam_metrics(rest: FlinkRest, job_id: str) -> tuple[dict[str, float], int | 
     advanced = [w for w in watermarks if _NO_WATERMARK_MS < w < _END_OF_TIME_MS]
     stuck = any(w <= _NO_WATERMARK_MS for w in watermarks)
     return totals, (None if stuck or not advanced else min(advanced))
+
+
+def metrics_gap(rest: FlinkRest, job_id: str) -> str | None:
+    """Why the JobManager shows a running job no Beam metric, or None when it shows some (or the job is not running).
+
+    Flink's REST API answers from the JobManager's metric store, which its metric fetcher fills from each
+    TaskManager's metric query service at most every 10 s; a gap leaves a vertex with no metric ids, not an error.
+    This says where the gap is (per vertex: ids held for the vertex and for each subtask; per TaskManager: its own
+    metrics held), so an empty ``beamflow status`` is not read as "the job counted nothing".
+    """
+    job = rest.job(job_id)
+    if job.get("state") != "RUNNING":
+        return None
+    vertices = job.get("vertices", [])
+    lines: list[str] = []
+    for vertex in vertices:
+        path = f"/jobs/{job_id}/vertices/{vertex['id']}"
+        ids = [m["id"] for m in rest._request("GET", f"{path}/metrics")]
+        if any(_metric_name(i) for i in ids):
+            return None
+        subtasks = [
+            len(rest._request("GET", f"{path}/subtasks/{index}/metrics"))
+            for index in range(int(vertex.get("parallelism", 1)))
+        ]
+        lines.append(f"{vertex['name'][:60]} ({vertex.get('status')}): {len(ids)} metric ids, per subtask {subtasks}")
+    held = {tm["id"]: len(rest._request("GET", f"/taskmanagers/{tm['id']}/metrics")) for tm in rest.taskmanagers()}
+    return (
+        "the JobManager holds no Beam metric of this running job (its metric fetcher has not reached the tasks'"
+        f" TaskManagers, or no bundle has finished yet): {'; '.join(lines)}; metric ids per TaskManager {held}"
+    )
 
 
 def checkpoint_summary(rest: FlinkRest, job_id: str) -> dict[str, Any]:
@@ -267,6 +298,8 @@ def collect_status(rest: FlinkRest, job_id: str, config: Mapping[str, Any] | Non
         checkpoints=checkpoint_summary(rest, job_id),
         min_output_watermark_ms=watermark,
     )
+    if not metrics:
+        status.metrics_gap = metrics_gap(rest, job_id)
     if config is not None:
         try:
             status.kafka_lag = kafka_lag(config)
@@ -302,6 +335,8 @@ def format_status(status: JobStatus) -> str:
         if name in status.metrics:
             rows.append((f"  {label}", f"{status.metrics[name]:,.0f}"))
             shown.add(name)
+    if status.metrics_gap:
+        rows.append(("  no Beam metric", status.metrics_gap))
     if status.late_dropped is not None:
         rows.append(("  session inputs dropped as too late", f"{status.late_dropped:,.0f}"))
     for name in sorted(set(status.metrics) - shown):

@@ -331,7 +331,7 @@ class _Keys:
 
     def to_pylist(self) -> list[Any]:
         taken = self.column if self.rows is None else self.column.take(pa.array(self.rows))
-        return list(taken.to_pylist())
+        return taken.to_pylist()
 
 
 def _literal(value: dt.datetime) -> str:

@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from beamflow.cli.status import beam_metrics
+from beamflow.cli.status import beam_metrics, metrics_gap
 from beamflow.flink_rest import FlinkRest
 from beamflow.kafka.admin import create_topic, produce
 from beamflow.services import ServiceState
@@ -209,6 +209,6 @@ def test_sessions_fire_while_a_partition_is_silent_only_with_idleness_and_late_r
     while metrics.get(silent, 0) < 2 and time.monotonic() < deadline:
         time.sleep(2)
         metrics, _ = beam_metrics(job.rest, job.job_id)
-    assert metrics.get(silent) == 2, metrics
+    assert metrics.get(silent) == 2, (metrics, metrics_gap(job.rest, job.job_id))
     assert metrics.get("beamflow_kafka_late_records", 0) >= 2, metrics
     assert job.rest.job_state(job.job_id) == "RUNNING"

@@ -48,3 +48,12 @@ def test_table_shows_metrics_late_drops_lag_and_checkpoints() -> None:
     assert "7 / 1 / 0" in text and "#9" in text
     assert "not advanced (-inf)" in text
     assert "partition 0" in text
+
+
+def test_table_says_why_a_running_job_shows_no_beam_metric() -> None:
+    gap = "the JobManager holds no Beam metric of this running job (...): Read (RUNNING): 0 metric ids"
+    status = JobStatus(job_id="abc", name="clicks", state="RUNNING", metrics={}, metrics_gap=gap,
+                       checkpoints={"completed": 0, "failed": 0, "in_progress": 0, "restored": 0})  # fmt: skip
+    text = format_status(status)
+    assert "no Beam metric" in text and "0 metric ids" in text
+    assert "no Beam metric" not in format_status(dataclasses.replace(status, metrics_gap=None))
