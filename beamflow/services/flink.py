@@ -349,14 +349,15 @@ class FlinkService(LocalService):
             folder.mkdir(parents=True, exist_ok=True)
         for template in (self.flink_home / "conf").glob("log4j*.properties"):
             shutil.copy(template, conf / template.name)
-        with (conf / "log4j.properties").open("a") as log4j:
-            # The JobManager's metric fetcher logs why a TaskManager's metrics did not arrive only at DEBUG (a few lines
-            # every 10 s while someone reads metrics): `beamflow status` once showed no Beam metric at all for a
-            # running job after TaskManager restarts, and INFO said nothing.
-            log4j.write(
-                "\nlogger.beamflow_metric_fetcher.name = org.apache.flink.runtime.rest.handler.legacy.metrics\n"
-                "logger.beamflow_metric_fetcher.level = DEBUG\n"
-            )
+        # The JobManager's metric fetcher logs why a TaskManager's metrics did not arrive only at DEBUG (a few lines
+        # every 10 s while someone reads metrics): `beamflow status` once showed no Beam metric at all for a running
+        # job after TaskManager restarts, and INFO said nothing. start-foreground reads log4j-console.properties.
+        for name in ("log4j-console.properties", "log4j.properties"):
+            with (conf / name).open("a") as log4j:
+                log4j.write(
+                    "\nlogger.beamflow_metric_fetcher.name = org.apache.flink.runtime.rest.handler.legacy.metrics\n"
+                    "logger.beamflow_metric_fetcher.level = DEBUG\n"
+                )
         settings: dict[str, Any] = {
             "env.java.opts.all": self._java_opts(),
             "jobmanager.rpc.address": "127.0.0.1",
