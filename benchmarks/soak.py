@@ -216,6 +216,36 @@ def newest_savepoint(workdir: Path) -> str:
     return f"file://{found[-1].resolve()}"
 
 
+def _second_taskmanager_env(extra: dict[str, str]) -> None:
+    """Makes the local cluster start its second TaskManager with ``extra`` in its environment (inherited by its Python
+    workers); refuses a cluster already up, which would run without it."""
+    import functools
+
+    from beamflow.services import ServiceSet
+    from beamflow.services.flink import FlinkService
+
+    if ServiceSet().get("flink").status().get("running"):
+        raise SystemExit("--second-tm-env needs the cluster down first: beamflow services down flink")
+    start = FlinkService._start_taskmanager
+
+    @functools.wraps(start)
+    def start_with_env(self: FlinkService, ports: dict[str, int], index: int = 1) -> int:
+        if index != 2:
+            return start(self, ports, index)
+        saved = {key: os.environ.get(key) for key in extra}
+        os.environ.update(extra)
+        try:
+            return start(self, ports, index)
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+    FlinkService._start_taskmanager = start_with_env  # type: ignore[method-assign]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__.split("\n")[0])
     parser.add_argument("--minutes", type=float, default=10.0)
@@ -241,7 +271,17 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="run benchmarks.soak_probe (tracemalloc and object counts in each Python worker, /tmp/beamflow-probe)",
     )
+    parser.add_argument(
+        "--second-tm-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="start the cluster's second TaskManager (and so its Python workers) with this environment variable: an "
+        "A/B inside one run (e.g. MALLOC_ARENA_MAX=2); the cluster must not be running yet",
+    )
     args = parser.parse_args(argv)
+    if args.second_tm_env:
+        _second_taskmanager_env(dict(item.split("=", 1) for item in args.second_tm_env))
 
     from beamflow.flink_rest import FlinkRest
     from beamflow.kafka.admin import create_topic

@@ -60,6 +60,48 @@ class _Probe:
             "arrow_max_mb": round(pool.max_memory() / 2**20, 2),
         }
 
+    @staticmethod
+    def _malloc() -> dict[str, Any]:
+        """glibc's own heap (``mallinfo2``): what the allocator took from the system outside mmap (``arena``), what of
+        it is in use and what it holds free (``fordblks``: freed but not returned, fragmentation across its arenas),
+        and its mmapped blocks. Python's small objects come from pymalloc, which takes 256 KiB arenas from mmap."""
+        import ctypes
+
+        class _MallInfo2(ctypes.Structure):
+            _fields_ = [
+                (name, ctypes.c_size_t)
+                for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+                             "fordblks", "keepcost")
+            ]  # fmt: skip
+
+        try:
+            libc = ctypes.CDLL("libc.so.6")
+            libc.mallinfo2.restype = _MallInfo2
+            info = libc.mallinfo2()
+        except (OSError, AttributeError) as exc:
+            return {"malloc_error": str(exc)}
+        mb = 2**20
+        return {
+            "malloc_arena_mb": round(info.arena / mb, 1),
+            "malloc_in_use_mb": round(info.uordblks / mb, 1),
+            "malloc_free_held_mb": round(info.fordblks / mb, 1),
+            "malloc_mmapped_mb": round(info.hblkhd / mb, 1),
+        }
+
+    @staticmethod
+    def _process() -> dict[str, Any]:
+        """Threads, anonymous memory (/proc), tracemalloc's own overhead, and the allocator setting the worker got."""
+        out: dict[str, Any] = {
+            "threads": len(os.listdir("/proc/self/task")),
+            "tracemalloc_overhead_mb": round(tracemalloc.get_tracemalloc_memory() / 2**20, 1),
+            "malloc_arena_max": os.environ.get("MALLOC_ARENA_MAX"),
+        }
+        with open("/proc/self/smaps_rollup") as rollup:
+            for line in rollup:
+                if line.startswith("Anonymous:"):
+                    out["anonymous_mb"] = round(int(line.split()[1]) / 1024, 1)
+        return out
+
     def maybe(self) -> None:
         now = time.monotonic()
         if now < self.next_at:
@@ -76,6 +118,8 @@ class _Probe:
             "traced_mb": round(traced / 2**20, 2),
             "traced_peak_mb": round(peak / 2**20, 2),
             **self._arrow(),
+            **self._malloc(),
+            **self._process(),
             "types": changed[:_TOP],
             "lines": [(str(s.traceback), round(s.size_diff / 1024, 1), s.count_diff) for s in grown],
         }
