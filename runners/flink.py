@@ -38,7 +38,10 @@ Flink-side options the Python SDK then accepts as flags, and against a Flink 1.1
 - max_bundle_size, max_bundle_time_ms -> ``--max_bundle_size``, ``--max_bundle_time_mills``
 - experiments -> ``--experiments`` (repeated): Beam experiments, read by the runner and by the SDK workers alike
 - worker_settings (default true) -> ``--beam_plugins=runners.worker_plugin``: each Python SDK worker Beam starts
-  applies ``runners.worker_settings`` (state sampler period, garbage collector) before its first bundle
+  applies ``runners.worker_settings`` (state sampler period, garbage collector) before its first bundle; and PROCESS
+  workers start with ``WORKER_ENV`` (``MALLOC_ARENA_MAX=2``), which an allocator reads before any Python runs
+- environment ``{type: PROCESS, command: ..., env: {NAME: value}}`` -> the boot process's environment (over
+  ``WORKER_ENV``), through ``--environment_config``
 - finish_bundle_before_checkpointing -> ``--finish_bundle_before_checkpointing``
 - files_to_stage -> ``--files_to_stage`` (repeated): the jars the job ships, on beamflow's job server; Beam's own
   ``FlinkJobServerDriver`` ignores it and ships its classpath
@@ -85,6 +88,7 @@ from beamflow.services.flink import rocksdb_manifest_settings
 _LOG = logging.getLogger(__name__)
 
 __all__ = [
+    "WORKER_ENV",
     "SubmissionError",
     "check_reachable",
     "cluster_settings",
@@ -147,6 +151,12 @@ _OTHER = {
 # The keys of the flink: section are FlinkConfig's fields (beamflow/config.py); each one goes somewhere here.
 _KNOWN = set(_VALUE_FLAGS) | set(_BOOL_FLAGS) | _CLUSTER_ONLY | _OTHER
 _STATE_BACKENDS = {"rocksdb", "hashmap"}
+# The PROCESS workers' environment under worker_settings. glibc gives each thread that allocates an arena of its own, up
+# to eight per core; a worker has some 40 Python threads and as many native ones (gRPC, librdkafka), and a heap spread
+# over 13-14 arenas holds freed memory it cannot hand back. Measured in one soak, the two TaskManagers' workers side by
+# side (benchmarks.soak --second-tm-env, 1,500 records/s, minutes 12-37): glibc's free-but-held memory went 47 -> 69 MB
+# with the default arenas and 11 -> 22 MB with two; RSS grew 26 and 17 MB (docs/streaming.md).
+WORKER_ENV = {"MALLOC_ARENA_MAX": "2"}
 
 
 def _section(config: FlinkConfig | Mapping[str, Any]) -> Mapping[str, Any]:
@@ -174,7 +184,7 @@ def flink_flags(config: FlinkConfig | Mapping[str, Any]) -> list[str]:
     if config.get("fail_on_checkpointing_errors") is False:
         # The job server describes this boolean with default true, so the SDK parses the bare flag as "false".
         flags.append("--fail_on_checkpointing_errors")
-    flags.extend(_environment_flags(config.get("environment", "LOOPBACK")))
+    flags.extend(_environment_flags(config.get("environment", "LOOPBACK"), bool(config.get("worker_settings", True))))
     restart = config.get("restart_strategy")
     if restart:
         flags.extend(_restart_flags(restart))
@@ -261,7 +271,7 @@ def environment_kind(environment: Any) -> str:
     return str(kind).upper()
 
 
-def _environment_flags(environment: Any) -> list[str]:
+def _environment_flags(environment: Any, worker_settings: bool = True) -> list[str]:
     if not isinstance(environment, str | Mapping):
         raise ValueError(
             "environment must be LOOPBACK, PROCESS, {type: PROCESS, command: /path/to/boot} or "
@@ -284,7 +294,14 @@ def _environment_flags(environment: Any) -> list[str]:
                 "environment PROCESS needs command: the path of Beam's Python boot binary on every TaskManager "
                 "(locally `flink.environment: PROCESS` with `flink.job_endpoint: auto` fills in the local one)"
             )
-        flags.append("--environment_config=" + json.dumps({"command": str(command)}))
+        env = settings.get("env") or {}
+        if not isinstance(env, Mapping) or not all(isinstance(v, str | int) for v in env.values()):
+            raise ValueError(f"environment env must map variable names to strings, got {env!r}")
+        env = {**(WORKER_ENV if worker_settings else {}), **{str(k): str(v) for k, v in env.items()}}
+        payload: dict[str, Any] = {"command": str(command)}
+        if env:
+            payload["env"] = env  # Beam's boot is started with these, and the Python worker inherits them
+        flags.append("--environment_config=" + json.dumps(payload))
         return flags
     address = settings.get("config")
     if kind == "EXTERNAL" and not address:

@@ -17,7 +17,7 @@ from beamflow.services import ServiceState
 from beamflow.services.base import wait_until
 from beamflow.services.flink import FlinkService
 from beamflow.services.paths import cache_dir
-from runners.flink import options_for_service
+from runners.flink import WORKER_ENV, options_for_service
 from runners.worker_settings import SAMPLING_PERIOD_MS, WORKER_GC_THRESHOLDS
 from tests.flink.drill_support import job_blobs
 
@@ -38,7 +38,8 @@ class WriteSquare(beam.DoFn):
 
 
 class RecordWorkerSettings(beam.DoFn):
-    """Writes, per element, the worker's garbage-collector thresholds and state-sampler period (``worker_settings``)."""
+    """Writes, per element, the worker's garbage-collector thresholds, state-sampler period and allocator setting
+    (``worker_settings``)."""
 
     def __init__(self, out_dir: str) -> None:
         self.out_dir = out_dir
@@ -49,7 +50,11 @@ class RecordWorkerSettings(beam.DoFn):
 
         from apache_beam.runners.worker import statesampler
 
-        settings = {"gc": list(gc.get_threshold()), "sampler": list(statesampler.StateSampler.__init__.__defaults__)}
+        settings = {
+            "gc": list(gc.get_threshold()),
+            "sampler": list(statesampler.StateSampler.__init__.__defaults__),
+            "malloc_arena_max": os.environ.get("MALLOC_ARENA_MAX"),
+        }
         with open(os.path.join(self.out_dir, f"{element}.json"), "w") as f:
             json.dump(settings, f)
         yield element
@@ -124,6 +129,8 @@ def test_streaming_pipeline_with_checkpoints_runs_on_the_session_cluster(flink: 
     seen = _worker_settings_seen(settings_dir)
     assert len(seen) == 40
     assert {json_key(s) for s in seen} == {json_key({"gc": WORKER_GC_THRESHOLDS, "sampler": [SAMPLING_PERIOD_MS]})}
+    # Started by Beam's boot with the environment's env (runners.flink.WORKER_ENV), not from the TaskManager's.
+    assert {s["malloc_arena_max"] for s in seen} == {WORKER_ENV["MALLOC_ARENA_MAX"]}
 
 
 def json_key(settings: dict[str, Any]) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -148,6 +155,7 @@ def test_worker_settings_false_leaves_the_workers_with_beams_defaults(flink: Ser
     seen = _worker_settings_seen(tmp_path)
     assert len(seen) == 2
     assert {json_key(s) for s in seen} == {((700, 10, 10), (200,))}
+    assert {s["malloc_arena_max"] for s in seen} == {os.environ.get("MALLOC_ARENA_MAX")}  # glibc's default
 
 
 def _wait_for_job(rest: FlinkRest, job_name: str, timeout: float = 300) -> str:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
-from runners.flink import cluster_settings, flink_flags, flink_options
+from runners.flink import WORKER_ENV, cluster_settings, flink_flags, flink_options
 
 pytestmark = pytest.mark.unit
 
@@ -30,7 +32,7 @@ def test_example_conf_maps_to_job_server_options_and_cluster_settings() -> None:
     assert "--min_pause_between_checkpoints=2000" in flags
     assert "--externalized_checkpoints_enabled" in flags
     assert "--environment_type=PROCESS" in flags
-    assert '--environment_config={"command": "/opt/apache/beam/boot"}' in flags
+    assert '--environment_config={"command": "/opt/apache/beam/boot", "env": {"MALLOC_ARENA_MAX": "2"}}' in flags
     assert "--files_to_stage=/j.jar" in flags
     assert "--number_of_execution_retries=10" in flags
     settings = cluster_settings(section)
@@ -129,3 +131,17 @@ def test_a_detached_job_that_ended_as_it_started_is_a_failed_submission_with_a_h
     assert failed_submission("FAILED", "j", None) == "job j is FAILED on the Flink cluster"
     line = failed_submission("CANCELLED", "j", "http://127.0.0.1:1")  # nothing listens: the line still says why not
     assert line.startswith("job j is CANCELLED on the Flink cluster: (its reason could not be read from"), line
+
+
+def test_process_workers_start_with_the_worker_env_which_the_job_can_extend_or_switch_off() -> None:
+    def config_of(flags: list[str]) -> dict[str, Any]:
+        return json.loads(next(f for f in flags if f.startswith("--environment_config=")).split("=", 1)[1])
+
+    process = {"type": "PROCESS", "command": "/boot"}
+    assert config_of(flink_flags({"environment": process}))["env"] == WORKER_ENV == {"MALLOC_ARENA_MAX": "2"}
+    extended = flink_flags({"environment": {**process, "env": {"MALLOC_ARENA_MAX": 4, "TZ": "UTC"}}})
+    assert config_of(extended)["env"] == {"MALLOC_ARENA_MAX": "4", "TZ": "UTC"}
+    # worker_settings: false leaves Beam's defaults, the allocator's included.
+    assert "env" not in config_of(flink_flags({"environment": process, "worker_settings": False}))
+    with pytest.raises(ValueError, match="env"):
+        flink_flags({"environment": {**process, "env": ["MALLOC_ARENA_MAX=2"]}})
