@@ -154,8 +154,8 @@ _STATE_BACKENDS = {"rocksdb", "hashmap"}
 # The PROCESS workers' environment under worker_settings. glibc gives each thread that allocates an arena of its own, up
 # to eight per core; a worker has some 40 Python threads and as many native ones (gRPC, librdkafka), and a heap spread
 # over 13-14 arenas holds freed memory it cannot hand back. Measured in one soak, the two TaskManagers' workers side by
-# side (benchmarks.soak --second-tm-env, 1,500 records/s, minutes 12-37): glibc's free-but-held memory went 47 -> 69 MB
-# with the default arenas and 11 -> 22 MB with two; RSS grew 26 and 17 MB (docs/streaming.md).
+# side (benchmarks.soak --second-tm-env, 1,500 records/s, minutes 12-39): glibc's free-but-held memory went 47 -> 76 MB
+# with the default arenas and 11 -> 23 MB with two; RSS grew 27 and 19 MB (docs/streaming.md).
 WORKER_ENV = {"MALLOC_ARENA_MAX": "2"}
 
 
