@@ -588,6 +588,7 @@ def resolve_auto(config: C, services: Any = None) -> C:
             flink["files_to_stage"] = [state.info["marker_jar"]]
         environment = flink.get("environment")
         if environment == "PROCESS" or (isinstance(environment, Mapping) and environment.get("command") == AUTO):
-            # Beam's boot, which each local TaskManager runs to start its own Python workers.
-            flink["environment"] = {"type": "PROCESS", "command": state.info["boot"]}
+            # Beam's boot, which each local TaskManager runs to start its own Python workers (an `env` is kept).
+            given = dict(environment) if isinstance(environment, Mapping) else {}
+            flink["environment"] = {**given, "type": "PROCESS", "command": state.info["boot"]}
     return out
