@@ -220,6 +220,7 @@ def _second_taskmanager_env(extra: dict[str, str]) -> None:
     """Makes the local cluster start its second TaskManager with ``extra`` in its environment (inherited by its Python
     workers); refuses a cluster already up, which would run without it."""
     import functools
+    from unittest import mock
 
     from beamflow.services import ServiceSet
     from beamflow.services.flink import FlinkService
@@ -232,16 +233,8 @@ def _second_taskmanager_env(extra: dict[str, str]) -> None:
     def start_with_env(self: FlinkService, ports: dict[str, int], index: int = 1) -> int:
         if index != 2:
             return start(self, ports, index)
-        saved = {key: os.environ.get(key) for key in extra}
-        os.environ.update(extra)
-        try:
+        with mock.patch.dict(os.environ, extra):  # start_process copies os.environ into the child's
             return start(self, ports, index)
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
 
     FlinkService._start_taskmanager = start_with_env  # type: ignore[method-assign]
 
