@@ -361,32 +361,7 @@ class Sampler(threading.Thread):
                 s["sessions_ms"] = seen_ms
 
     def _checkpoints(self, rest: Any) -> None:
-        for h in rest.checkpoints(self.job_id).get("history", []):
-            cid = int(h["id"])
-            if h["status"] == "IN_PROGRESS" or cid in self.checkpoints:
-                continue
-            entry = {
-                "id": cid,
-                "status": h["status"],
-                "trigger_ms": h.get("trigger_timestamp"),
-                "duration_ms": h.get("end_to_end_duration"),
-                "size": h.get("checkpointed_size") or h.get("state_size"),
-                "failure": h.get("failure_message"),
-                "vertices": {},
-            }
-            with contextlib.suppress(Exception):
-                detail = rest._request("GET", f"/jobs/{self.job_id}/checkpoints/details/{cid}")
-                for vid, task in (detail.get("tasks") or {}).items():
-                    sub = rest._request("GET", f"/jobs/{self.job_id}/checkpoints/details/{cid}/subtasks/{vid}")
-                    summary = sub.get("summary") or {}
-                    entry["vertices"][vid] = {
-                        "duration_ms": task.get("end_to_end_duration"),
-                        "alignment_ms": _max_of(summary, "alignment", "duration"),
-                        "sync_ms": _max_of(summary, "checkpoint_duration", "sync"),
-                        "async_ms": _max_of(summary, "checkpoint_duration", "async"),
-                        "start_delay_ms": (summary.get("start_delay") or {}).get("max"),
-                    }
-            self.checkpoints[cid] = entry
+        collect_checkpoints(rest, self.job_id, self.checkpoints)
 
     def _vertices(self, rest: Any) -> None:
         job = rest.job(self.job_id)
@@ -409,6 +384,54 @@ class Sampler(threading.Thread):
                     )
             out[v["id"]] = metrics
         self.vertex_samples.append((time.time() - self.t0, out))
+
+
+def collect_checkpoints(rest: Any, job_id: str, into: dict[int, dict[str, Any]]) -> None:
+    """Adds to ``into`` each finished checkpoint of the job's history (Flink REST) not in it yet: status, duration,
+    size, failure, and per vertex the slowest subtask's alignment, sync and async parts and start delay. Flink keeps
+    the last ``web.checkpoints.history`` (10) only, so callers poll it every few seconds."""
+    for h in rest.checkpoints(job_id).get("history", []):
+        cid = int(h["id"])
+        if h["status"] == "IN_PROGRESS" or cid in into:
+            continue
+        entry: dict[str, Any] = {
+            "id": cid,
+            "status": h["status"],
+            "trigger_ms": h.get("trigger_timestamp"),
+            "duration_ms": h.get("end_to_end_duration"),
+            "size": h.get("checkpointed_size") or h.get("state_size"),
+            "failure": h.get("failure_message"),
+            "vertices": {},
+        }
+        with contextlib.suppress(Exception):
+            detail = rest._request("GET", f"/jobs/{job_id}/checkpoints/details/{cid}")
+            for vid, task in (detail.get("tasks") or {}).items():
+                sub = rest._request("GET", f"/jobs/{job_id}/checkpoints/details/{cid}/subtasks/{vid}")
+                summary = sub.get("summary") or {}
+                entry["vertices"][vid] = {
+                    "duration_ms": task.get("end_to_end_duration"),
+                    "alignment_ms": _max_of(summary, "alignment", "duration"),
+                    "sync_ms": _max_of(summary, "checkpoint_duration", "sync"),
+                    "async_ms": _max_of(summary, "checkpoint_duration", "async"),
+                    "start_delay_ms": (summary.get("start_delay") or {}).get("max"),
+                }
+        into[cid] = entry
+
+
+def slowest_checkpoint_lines(checkpoints: list[dict[str, Any]], vertex_names: dict[str, str], n: int = 3) -> list[str]:
+    """The ``n`` slowest checkpoints, each with its three slowest vertices' parts (max over subtasks, ms)."""
+    lines = []
+    for c in sorted(checkpoints, key=lambda c: -(c["duration_ms"] or 0))[:n]:
+        parts = sorted(c["vertices"].items(), key=lambda kv: -(kv[1].get("duration_ms") or 0))[:3]
+        lines.append(
+            f"    #{c['id']} {c['status'].lower()} {c['duration_ms']} ms: "
+            + "; ".join(
+                f"{vertex_names.get(vid, vid)[:50]}: align {p['alignment_ms']} sync {p['sync_ms']} async "
+                f"{p['async_ms']} start delay {p['start_delay_ms']}"
+                for vid, p in parts
+            )
+        )
+    return lines
 
 
 def _max_of(summary: dict[str, Any], group: str, key: str) -> Any:
@@ -956,17 +979,7 @@ def report(figures: dict[str, Any]) -> list[str]:
             + _sessions_line(v.get("beam_metrics", {}))
         )
         lines.append("  slowest checkpoint parts (max over subtasks, per vertex; ms):")
-        worst = sorted(cps, key=lambda c: -c["duration_ms"])[:3]
-        for c in worst:
-            parts = sorted(c["vertices"].items(), key=lambda kv: -(kv[1].get("duration_ms") or 0))[:3]
-            lines.append(
-                f"    #{c['id']} {c['duration_ms']} ms: "
-                + "; ".join(
-                    f"{v['vertex_names'].get(vid, vid)[:50]}: align {p['alignment_ms']} sync {p['sync_ms']} async "
-                    f"{p['async_ms']} start delay {p['start_delay_ms']}"
-                    for vid, p in parts
-                )
-            )
+        lines += slowest_checkpoint_lines(cps, v["vertex_names"])
         lines.append("  busy / backpressured ms per s during the catch-up (avg over subtasks, max):")
         for vid, m in sorted(v["vertex_load"].items(), key=lambda kv: -kv[1].get("busyTimeMsPerSecond.avg", 0)):
             lines.append(

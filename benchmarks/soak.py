@@ -24,6 +24,7 @@ SDF restriction state on portable Flink, apache/beam#27648).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -177,17 +178,21 @@ def restore_and_catch_up(
     backlog's events fall in, an hour a soak has filled). Sampled every 5 s until the lag is under two checkpoint
     intervals of traffic, then 60 s more: the catch-up's seconds, the Python workers' and TaskManagers' memory at
     most, the checkpoints' durations (the latest completed one at each sample), failures and restarts."""
-    from benchmarks.flink_streaming import _submit
+    from benchmarks.flink_streaming import _submit, collect_checkpoints, slowest_checkpoint_lines
 
     time.sleep(down_s)
     config["flink"]["savepoint_path"] = savepoint
     job_id, _ = _submit(config, workdir)
     caught_up_lag = int(rate * 2 * config["flink"]["checkpointing_interval_ms"] / 1000)
     t0 = time.monotonic()
+    t0_ms = time.time() * 1000
     samples: list[dict[str, Any]] = []
+    checkpoints: dict[int, dict[str, Any]] = {}
     caught_up_s: float | None = None
     while time.monotonic() < t0 + 1800:
         samples.append(sample_running(rest, job_id, flink, config, t0))
+        with contextlib.suppress(Exception):  # a missed poll loses no checkpoint: Flink keeps the last ten
+            collect_checkpoints(rest, job_id, checkpoints)
         print(json.dumps({"restored": True, **samples[-1]}), flush=True)
         lag = samples[-1]["lag"]
         if caught_up_s is None and samples[-1]["checkpoints_completed"] and 0 <= lag <= caught_up_lag:
@@ -196,6 +201,7 @@ def restore_and_catch_up(
             break
         time.sleep(5)
     counts = rest.checkpoints(job_id).get("counts", {})
+    names = {v["id"]: v.get("name", "") for v in rest.job(job_id).get("vertices", [])}
     report = [
         f"restored from {savepoint} after {down_s:g} s down:",
         f"  lag at most {max(s['lag'] for s in samples):,} records; under two intervals of traffic ({caught_up_lag:,}) "
@@ -204,8 +210,23 @@ def restore_and_catch_up(
         f"{max(s['taskmanager_rss_mb'] for s in samples):,.0f} MB",
         f"  checkpoints completed {counts.get('completed')}, failed {counts.get('failed')}; the longest seen "
         f"{max(s['checkpoint_duration_s'] for s in samples):.1f} s; restarts {len(rest.failure_history(job_id))}",
+        "  checkpoints after the submission (triggered at s: status, s): "
+        + ", ".join(
+            f"#{c['id']} {(c['trigger_ms'] - t0_ms) / 1000:.0f}: {c['status'].lower()} "
+            f"{(c['duration_ms'] or 0) / 1000:.1f}"
+            for c in sorted(checkpoints.values(), key=lambda c: c["id"])
+            if c["trigger_ms"]
+        ),
+        "  slowest checkpoints' parts (max over subtasks, per vertex; ms):",
+        *slowest_checkpoint_lines(list(checkpoints.values()), names),
     ]
-    return {"job_id": job_id, "samples": samples, "caught_up_s": caught_up_s, "report": report}
+    return {
+        "job_id": job_id,
+        "samples": samples,
+        "checkpoints": sorted(checkpoints.values(), key=lambda c: c["id"]),
+        "caught_up_s": caught_up_s,
+        "report": report,
+    }
 
 
 def newest_savepoint(workdir: Path) -> str:
