@@ -94,6 +94,27 @@ class _Probe:
         }
 
     @staticmethod
+    def _jemalloc() -> dict[str, Any]:
+        """jemalloc's own figures when the worker preloads it (``runners.flink.WORKER_ENV``; glibc's ``mallinfo2``
+        then reads zeros): what the program holds (``allocated``), the pages it keeps resident, and the address space
+        it keeps mapped. Read through ``mallctl``, after bumping its ``epoch`` (its statistics are cached)."""
+        import ctypes
+
+        try:
+            mallctl = ctypes.CDLL(None).mallctl  # the preloaded library's, by the process's global symbol lookup
+        except AttributeError:
+            return {"jemalloc": False}
+        epoch = ctypes.c_uint64(1)
+        size = ctypes.c_size_t(ctypes.sizeof(epoch))
+        mallctl(b"epoch", None, None, ctypes.byref(epoch), size)
+        out: dict[str, Any] = {"jemalloc": True}
+        for name in ("allocated", "active", "resident", "mapped", "retained"):
+            value, size = ctypes.c_size_t(0), ctypes.c_size_t(ctypes.sizeof(ctypes.c_size_t))
+            if mallctl(f"stats.{name}".encode(), ctypes.byref(value), ctypes.byref(size), None, 0) == 0:
+                out[f"jemalloc_{name}_mb"] = round(value.value / 2**20, 1)
+        return out
+
+    @staticmethod
     def _process() -> dict[str, Any]:
         """Threads, anonymous memory (/proc), tracemalloc's own overhead, and the allocator setting the worker got."""
         out: dict[str, Any] = {
@@ -117,6 +138,7 @@ class _Probe:
             "rss_mb": round(proc_rss_mb() or 0.0, 1),
             **self._arrow(),
             **self._malloc(),
+            **self._jemalloc(),
             **self._process(),
         }
         if self.trace:
