@@ -115,6 +115,39 @@ class _Probe:
         return out
 
     @staticmethod
+    def _pymalloc() -> dict[str, Any]:
+        """CPython's own small-object allocator (its 1 MiB arenas come from mmap, so neither glibc's nor jemalloc's
+        figures include them): the arenas it holds, what its objects use of them, and what it keeps free in
+        partly used pools and in unused pools (an arena goes back only when all of it is free). From
+        ``sys._debugmallocstats``, which writes to the C stderr: read back through a temporary file."""
+        import tempfile
+
+        with tempfile.TemporaryFile(mode="w+") as report:
+            sys.stderr.flush()
+            saved = os.dup(2)
+            try:
+                os.dup2(report.fileno(), 2)
+                sys._debugmallocstats()
+            finally:
+                os.dup2(saved, 2)
+                os.close(saved)
+            report.seek(0)
+            text = report.read()
+        wanted = {
+            "# arenas allocated current": "pymalloc_arenas",
+            "# bytes in allocated blocks": "pymalloc_in_use_mb",
+            "# bytes in available blocks": "pymalloc_free_in_pools_mb",
+            "unused pools": "pymalloc_unused_pools_mb",
+        }
+        out: dict[str, Any] = {}
+        for line in text.splitlines():
+            for prefix, key in wanted.items():
+                if line.startswith(prefix) or (prefix == "unused pools" and prefix in line):
+                    value = int(line.rsplit("=", 1)[1].replace(",", "").strip())
+                    out[key] = value if key == "pymalloc_arenas" else round(value / 2**20, 1)
+        return out
+
+    @staticmethod
     def _process() -> dict[str, Any]:
         """Threads, anonymous memory (/proc), tracemalloc's own overhead, and the allocator setting the worker got."""
         out: dict[str, Any] = {
@@ -139,6 +172,7 @@ class _Probe:
             **self._arrow(),
             **self._malloc(),
             **self._jemalloc(),
+            **self._pymalloc(),
             **self._process(),
         }
         if self.trace:
