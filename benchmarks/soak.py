@@ -202,6 +202,7 @@ def restore_and_catch_up(
         time.sleep(5)
     counts = rest.checkpoints(job_id).get("counts", {})
     names = {v["id"]: v.get("name", "") for v in rest.job(job_id).get("vertices", [])}
+    ordered = sorted(checkpoints.values(), key=lambda c: c["id"])
     report = [
         f"restored from {savepoint} after {down_s:g} s down:",
         f"  lag at most {max(s['lag'] for s in samples):,} records; under two intervals of traffic ({caught_up_lag:,}) "
@@ -214,16 +215,16 @@ def restore_and_catch_up(
         + ", ".join(
             f"#{c['id']} {(c['trigger_ms'] - t0_ms) / 1000:.0f}: {c['status'].lower()} "
             f"{(c['duration_ms'] or 0) / 1000:.1f}"
-            for c in sorted(checkpoints.values(), key=lambda c: c["id"])
+            for c in ordered
             if c["trigger_ms"]
         ),
         "  slowest checkpoints' parts (max over subtasks, per vertex; ms):",
-        *slowest_checkpoint_lines(list(checkpoints.values()), names),
+        *slowest_checkpoint_lines(ordered, names),
     ]
     return {
         "job_id": job_id,
         "samples": samples,
-        "checkpoints": sorted(checkpoints.values(), key=lambda c: c["id"]),
+        "checkpoints": ordered,
         "caught_up_s": caught_up_s,
         "report": report,
     }

@@ -95,9 +95,10 @@ class _Probe:
 
     @staticmethod
     def _jemalloc() -> dict[str, Any]:
-        """jemalloc's own figures when the worker preloads it (``runners.flink.WORKER_ENV``; glibc's ``mallinfo2``
-        then reads zeros): what the program holds (``allocated``), the pages it keeps resident, and the address space
-        it keeps mapped. Read through ``mallctl``, after bumping its ``epoch`` (its statistics are cached)."""
+        """jemalloc's own figures when the worker preloads it (``--second-tm-env LD_PRELOAD=libjemalloc.so.2``;
+        glibc's ``mallinfo2`` then reads zeros): what the program holds (``allocated``), the pages it keeps resident,
+        and the address space it keeps mapped. Read through ``mallctl``, after bumping its ``epoch`` (its statistics
+        are cached)."""
         import ctypes
 
         try:
@@ -142,7 +143,7 @@ class _Probe:
         out: dict[str, Any] = {}
         for line in text.splitlines():
             for prefix, key in wanted.items():
-                if line.startswith(prefix) or (prefix == "unused pools" and prefix in line):
+                if prefix in line:  # "36 unused pools * 16384 bytes = 589,824": the count comes first there
                     value = int(line.rsplit("=", 1)[1].replace(",", "").strip())
                     out[key] = value if key == "pymalloc_arenas" else round(value / 2**20, 1)
         return out
