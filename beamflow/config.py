@@ -143,8 +143,9 @@ class IcebergConfig:
     table: str
     sink_id: str | None = None  # stable across restarts; doctor refuses none or a run id
     catalog: IcebergCatalog = field(default_factory=IcebergCatalog)
-    # The most event ids each committer (one per worker) keeps in memory to tell new rows from replays, about 120 MB
-    # a million; past it the oldest minutes are dropped and scanned again if a replay needs them.
+    # The most event ids each committer (one per worker) keeps in memory to tell new rows from replays, 33 MB a
+    # million 32-character ids (sorted fixed-width arrays, beamflow.iceberg.known_keys); past it the oldest minutes
+    # are dropped and scanned again if a replay needs them.
     known_keys_max: int = 1_000_000
 
     def __post_init__(self) -> None:

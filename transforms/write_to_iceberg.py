@@ -306,8 +306,8 @@ class WriteToIceberg(beam.PTransform):
     ``dead_letters`` with a reason. Give ``key_column`` (and ``key_time_column``, see ``IcebergCommitter``) also when
     a shuffle by another key sits between the source and this sink: offsets of one partition then arrive out of
     order, and the marks alone would drop a lower offset that arrives after a higher one was committed. Each
-    worker's committer holds at most ``known_keys_max`` keys of that lookup in memory (plus one batch's; about 120 MB
-    a million 32-character ids).
+    worker's committer holds at most ``known_keys_max`` keys of that lookup in memory (plus one batch's; 33 MB a
+    million 32-character ids, in sorted fixed-width arrays).
 
     On unbounded input each worker commits the rows of a bundle before the bundle ends (and whenever
     ``max_batch_rows`` are staged), so the Kafka source's offsets, committed when the runner finalizes the bundle

@@ -16,14 +16,17 @@ Exactness: the answer for a key in a covered range is the table's content at the
 - coverage is kept per minute of ``time_column`` (``bucket_s``): a batch's minutes not covered yet are scanned, a
   whole hour at a time when none of that hour is covered (a backlog's batches all fall in about the same hours, and
   a scan of a sliver costs nearly what its hour costs to plan), else just the missing minutes;
-- ``max_keys`` bounds the memory (a million 32-character ids are about 120 MB in a Python set; the job setting
-  ``iceberg.known_keys_max``): past it the oldest minutes the batch does not need are dropped, and a later batch
-  that needs one of them scans just that minute again. Before, past it every key was dropped and the next batch
-  scanned its whole days again: once a day held more than ``max_keys`` rows (about an hour at 300 events/s, since
-  every committer follows every other's appends), a stream went back to a scan of the day's key column per commit,
-  the stall this module exists to prevent.
+- each minute's keys are one sorted numpy array of fixed width (``_encode``: exact, no hashing), and a row's key is
+  looked up in its own minute (a key has one time: the committer's contract for ``key_time_column``). A million
+  32-character ids are 33 MB so, where a Python set of them was about 120 MB of small objects, made and dropped
+  minute after minute, which the workers' allocators kept as free memory they never returned (``docs/streaming.md``);
+- ``max_keys`` bounds the memory (the job setting ``iceberg.known_keys_max``): past it the oldest minutes the batch
+  does not need are dropped, and a later batch that needs one of them scans just that minute again. Before, past it
+  every key was dropped and the next batch scanned its whole days again: once a day held more than ``max_keys``
+  rows (about an hour at 300 events/s, since every committer follows every other's appends), a stream went back to
+  a scan of the day's key column per commit, the stall this module exists to prevent.
 - a scan keeps the batch's minutes and then the newest others while the bound allows; the rest stay uncovered, and
-  their keys are never made into Python strings. So a restart on a busy stream's backlog (an hour at 1,500 events/s
+  their keys are never copied out of Arrow. So a restart on a busy stream's backlog (an hour at 1,500 events/s
   is 5.4 million ids) holds the bound, not the hour (``benchmarks/known_keys.py``).
 - without ``time_column`` (or with one that is not a timestamp, or for a batch with no time at all) the covered
   range is the whole table, kept whole: past ``max_keys`` it is dropped and scanned again by the next batch.
@@ -89,14 +92,15 @@ class KnownKeys:
         self.widen_s = widen_s
         self.stats = KnownKeysStats()
         self._scan = scan
-        self._keys: set[Any] = set()  # every key held, for the per-row check
-        # Covered buckets (minutes since the epoch, or _WHOLE_TABLE / _NO_TIME) -> their keys, to drop a bucket whole.
-        # A key has one time (``IcebergCommitter``'s contract for key_time_column), so it is in one bucket.
-        self._buckets: dict[Any, list[Any]] = {}
+        # Covered buckets (minutes since the epoch, or _WHOLE_TABLE / _NO_TIME) -> their keys, sorted and unique, in
+        # one numpy array each (``_encode``). A key has one time (``IcebergCommitter``'s contract for
+        # key_time_column), so it is in one bucket, and a row's key is looked up in its own minute only.
+        self._buckets: dict[Any, np.ndarray] = {}
+        self._held = 0  # keys in all buckets
         self._snapshot_id: int | None = None  # the snapshot the keys are as of (None: nothing known)
 
     def __len__(self) -> int:
-        return len(self._keys)
+        return self._held
 
     @property
     def covered_buckets(self) -> int:
@@ -106,18 +110,31 @@ class KnownKeys:
     def reset(self) -> None:
         if self._snapshot_id is not None:
             self.stats.resets += 1
-        self._keys = set()
         self._buckets = {}
+        self._held = 0
         self._snapshot_id = None
 
     def new_rows(self, table: Table, base: Snapshot, batch: pa.Table) -> pa.Table:
         """The rows of ``batch`` whose key the table does not hold at ``base`` (which must be the table's head)."""
         self._follow(table, base)
-        needed = self._cover(table, base, batch)
-        known = self._keys
-        mask = pa.array([key not in known for key in batch[self.key_column].to_pylist()], pa.bool_())
+        groups = self._grouped(batch) if self._timed(batch) else []
+        kind = batch[self.time_column].type if groups else None
+        needed = self._cover(table, base, {bucket for bucket, _ in groups if bucket != _NO_TIME}, kind)
+        keys = batch[self.key_column]
+        held = self._buckets
+        if _WHOLE_TABLE in needed:
+            known = _contains(held[_WHOLE_TABLE], _encode(keys))
+        else:
+            known = np.zeros(batch.num_rows, np.bool_)
+            for bucket, rows in groups:
+                encoded = _encode(keys, rows)
+                if bucket != _NO_TIME:
+                    known[rows] = _contains(held[bucket], encoded)
+                    continue
+                for others in held.values():  # a row without a time may have any: every bucket held answers
+                    known[rows] |= _contains(others, encoded)
         self._trim(needed)
-        return batch.filter(mask)
+        return batch.filter(pa.array(~known))
 
     def committed(self, parent: Snapshot, snapshot_id: int | None, batch: pa.Table) -> None:
         """Our own commit of ``batch`` on ``parent`` became ``snapshot_id``: known without reading it back."""
@@ -135,15 +152,6 @@ class KnownKeys:
         column = self.time_column
         return column is not None and column in batch.column_names and pa.types.is_timestamp(batch[column].type)
 
-    def _bucket_ids(self, column: Any) -> set[Any]:
-        """The buckets of a timestamp column's values (``_timed``): minutes (``bucket_s``) since the epoch, and
-        ``_NO_TIME`` if a value is null."""
-        numbers = self._bucket_numbers(column)
-        found: set[Any] = set(np.unique(numbers[column.is_valid().to_numpy(zero_copy_only=False)]).tolist())
-        if column.null_count:
-            found.add(_NO_TIME)
-        return found
-
     def _bucket_numbers(self, column: Any) -> Any:
         """Each value's minute (``bucket_s``) since the epoch as a numpy array, floored (times before 1970 too); a
         null's number is meaningless (the caller masks it)."""
@@ -151,45 +159,48 @@ class KnownKeys:
         micros = pc.cast(column, pa.int64()).fill_null(0)
         return np.floor_divide(micros.to_numpy(), width)
 
-    def _grouped(self, rows: pa.Table) -> list[tuple[Any, _Keys]]:
-        """The keys of ``rows`` per bucket (``_NO_TIME`` for rows without a time), each taken from Arrow only when
-        asked for: a bucket never kept is never copied or made into Python strings."""
-        keys = rows[self.key_column]
+    def _grouped(self, rows: pa.Table) -> list[tuple[Any, np.ndarray]]:
+        """The row numbers of ``rows`` per bucket (``_NO_TIME`` for rows without a time). Only numbers: a bucket's
+        keys are copied out of Arrow (``_encode``) only when it is kept."""
         if not self._timed(rows):  # a file written without the time column: its rows have no time
-            return [(_NO_TIME, _Keys(keys))] if len(keys) else []
+            return [(_NO_TIME, np.arange(rows.num_rows))] if rows.num_rows else []
         column = rows[self.time_column]
-        valid = column.is_valid()
-        groups: list[tuple[Any, _Keys]] = []
+        valid = column.is_valid().to_numpy(zero_copy_only=False)
+        groups: list[tuple[Any, np.ndarray]] = []
         if column.null_count:
-            groups.append((_NO_TIME, _Keys(keys.filter(pc.invert(valid)))))
-            keys, column = keys.filter(valid), column.filter(valid)
-        if not len(keys):
+            groups.append((_NO_TIME, np.flatnonzero(~valid)))
+        timed = np.flatnonzero(valid)
+        if not len(timed):
             return groups
-        numbers = self._bucket_numbers(column)
+        numbers = self._bucket_numbers(column)[timed]
         order = np.argsort(numbers, kind="stable")
-        numbers = numbers[order]
+        numbers, timed = numbers[order], timed[order]
         bounds = [0, *(np.flatnonzero(np.diff(numbers)) + 1).tolist(), len(numbers)]  # where each bucket starts
         for begin, end in itertools.pairwise(bounds):
-            groups.append((int(numbers[begin]), _Keys(keys, order[begin:end])))
+            groups.append((int(numbers[begin]), timed[begin:end]))
         return groups
 
     def _add(self, rows: pa.Table) -> None:
         """Adds the keys of ``rows`` to the covered buckets they fall in (the others are not needed yet)."""
+        keys = rows[self.key_column]
         if _WHOLE_TABLE in self._buckets:
-            self._hold(_WHOLE_TABLE, rows[self.key_column].to_pylist())
+            self._hold(_WHOLE_TABLE, _encode(keys))
             return
-        for bucket, keys in self._grouped(rows):
+        for bucket, numbers in self._grouped(rows):
             if bucket == _NO_TIME or bucket in self._buckets:
-                self._hold(bucket, keys.to_pylist())
+                self._hold(bucket, _encode(keys, numbers))
 
-    def _hold(self, bucket: Any, keys: list[Any]) -> None:
-        self._buckets.setdefault(bucket, []).extend(keys)
-        self._keys.update(keys)
-        self.stats.peak_keys = max(self.stats.peak_keys, len(self._keys))
+    def _hold(self, bucket: Any, keys: np.ndarray) -> None:
+        """Merges ``keys`` into ``bucket``'s sorted array (covering it if it was not)."""
+        held = self._buckets.get(bucket)
+        merged = _merged(held, keys)
+        self._buckets[bucket] = merged
+        self._held += len(merged) - (0 if held is None else len(held))
+        self.stats.peak_keys = max(self.stats.peak_keys, self._held)
 
     def _trim(self, needed: set[Any]) -> None:
         """Drops the oldest buckets the batch does not need until at most ``max_keys`` keys are held."""
-        if len(self._keys) <= self.max_keys:
+        if self._held <= self.max_keys:
             return
         if _WHOLE_TABLE in self._buckets:
             self.reset()  # the whole table is one range: it is kept whole or not at all
@@ -197,18 +208,18 @@ class KnownKeys:
         # _NO_TIME first: a range scan never brings those keys back, so they go before any minute does. An empty
         # minute frees nothing, so it stays covered (a stream's next minutes would each be scanned otherwise).
         buckets = self._buckets
-        order = sorted((b for b in buckets if b not in needed and b != _NO_TIME and buckets[b]), key=int)
-        if _NO_TIME in self._buckets and _NO_TIME not in needed:
+        order = sorted((b for b in buckets if b not in needed and b != _NO_TIME and len(buckets[b])), key=int)
+        if _NO_TIME in buckets and _NO_TIME not in needed:
             order.insert(0, _NO_TIME)
         horizon = None
         for bucket in order:
-            if len(self._keys) <= self.max_keys:
+            if self._held <= self.max_keys:
                 break
-            self._keys.difference_update(self._buckets.pop(bucket))
+            self._held -= len(buckets.pop(bucket))
             self.stats.evicted_buckets += 1
             horizon = bucket
         if isinstance(horizon, int):  # empty minutes older than those dropped go too: the stream has moved past them
-            stale = [b for b, keys in buckets.items() if not keys and isinstance(b, int) and b < horizon]
+            stale = [b for b, keys in buckets.items() if not len(keys) and isinstance(b, int) and b < horizon]
             for bucket in stale:
                 if bucket not in needed:
                     del buckets[bucket]
@@ -255,16 +266,16 @@ class KnownKeys:
             self.stats.files_read += 1
         self._snapshot_id = base.snapshot_id
 
-    def _cover(self, table: Table, base: Snapshot, batch: pa.Table) -> set[Any]:
-        """Scans the batch's buckets not covered yet, at ``base``; returns the buckets the batch needs."""
+    def _cover(self, table: Table, base: Snapshot, needed: set[Any], kind: Any) -> set[Any]:
+        """Scans the ``needed`` buckets not covered yet, at ``base`` (``kind``: the batch's timestamp type); returns
+        the buckets the batch needs (the whole table when it needs no minute: a batch without times)."""
         self._snapshot_id = base.snapshot_id  # nothing known before (reset): nothing held either
         if _WHOLE_TABLE in self._buckets:
             return {_WHOLE_TABLE}
-        needed = self._bucket_ids(batch[self.time_column]) if self._timed(batch) else set()
-        needed.discard(_NO_TIME)
         if not needed:  # no time on any row: only the whole table answers
-            self._keys = set()
-            self._buckets = {_WHOLE_TABLE: []}
+            self._buckets = {}
+            self._held = 0
+            self._hold(_WHOLE_TABLE, _NOTHING)
             self._add(self._scan(table, base.snapshot_id, AlwaysTrue(), [self.key_column]))
             self.stats.scans += 1
             return {_WHOLE_TABLE}
@@ -279,7 +290,7 @@ class KnownKeys:
             else:
                 missing.update(range(hour, hour + per_widen))
         for low, high in _runs(sorted(missing)):
-            scanned = self._scan_range(table, base, self._between(low, high + 1, batch[self.time_column].type))
+            scanned = self._scan_range(table, base, self._between(low, high + 1, kind))
             self._cover_from(range(low, high + 1), scanned, needed)
         return needed
 
@@ -288,17 +299,18 @@ class KnownKeys:
         while the bound allows. A bucket left out stays uncovered (a batch that needs it scans just it), so the keys
         held stay near ``max_keys`` even when the scanned hour holds millions of rows (a restart on a backlog of a
         busy stream); before, the whole hour was held until the batch was done."""
-        found = {bucket: keys for bucket, keys in self._grouped(scanned) if bucket != _NO_TIME}
+        found = {bucket: rows for bucket, rows in self._grouped(scanned) if bucket != _NO_TIME}
+        keys = scanned[self.key_column]
         full = False
         for bucket in sorted(span, key=lambda b: (b not in needed, -b)):
-            keys = found.get(bucket)
-            if keys is None:  # an empty minute costs nothing to cover (the rest of the hour a stream is writing)
-                self._hold(bucket, [])
+            rows = found.get(bucket)
+            if rows is None:  # an empty minute costs nothing to cover (the rest of the hour a stream is writing)
+                self._hold(bucket, _NOTHING)
                 continue
             # Past the bound, older minutes than this one stay uncovered too: the newest stretch is what streams need.
-            full = full or (bucket not in needed and len(self._keys) + len(keys) > self.max_keys)
+            full = full or (bucket not in needed and self._held + len(rows) > self.max_keys)
             if bucket in needed or not full:
-                self._hold(bucket, keys.to_pylist())
+                self._hold(bucket, _encode(keys, rows))
 
     def _between(self, low: int, high: int, kind: Any) -> Any:
         """``time_column`` in [start of bucket ``low``, start of bucket ``high``)."""
@@ -317,21 +329,71 @@ class KnownKeys:
         return self._scan(table, base.snapshot_id, row_filter, [self.key_column, self.time_column])
 
 
-class _Keys:
-    """Some keys of an Arrow column: all of them, or those at ``rows`` (a numpy array of row numbers)."""
+# ---- keys as sorted fixed-width arrays ------------------------------------------------------------------------------
 
-    __slots__ = ("column", "rows")
+_NOTHING = np.empty(0, np.int64)  # an empty bucket (covered, no keys)
 
-    def __init__(self, column: Any, rows: Any = None) -> None:
-        self.column = column
-        self.rows = rows
 
-    def __len__(self) -> int:
-        return len(self.column) if self.rows is None else len(self.rows)
+def _encode(column: Any, rows: np.ndarray | None = None) -> np.ndarray:
+    """The non-null keys of an Arrow column (those at ``rows`` if given) as one numpy array, exactly: integers as
+    integers; strings and bytes as fixed-width bytes (``S<w>``) with a ``\\x01`` after each key, because numpy's
+    byte strings ignore trailing NULs (``a`` and ``a\\x00`` would be one key without it); other types as their
+    string form. Built from Arrow's buffers, with no Python object per key: a million 32-character event ids are 33 MB
+    in one array, where a Python set of them was about 120 MB of small objects that a stream dropped and made again
+    minute after minute (the workers' allocators held the freed memory: ``docs/streaming.md``)."""
+    if rows is not None:
+        column = column.take(pa.array(rows))
+    values = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if pa.types.is_dictionary(values.type):
+        values = values.dictionary_decode()
+    if values.null_count:  # the committer refuses rows without a key; a table written by others may hold some
+        values = values.drop_null()
+    kind = values.type
+    if pa.types.is_integer(kind):
+        return np.asarray(values.to_numpy(zero_copy_only=False))
+    large = pa.types.is_large_string(kind) or pa.types.is_large_binary(kind)
+    if not (large or pa.types.is_string(kind) or pa.types.is_binary(kind)):
+        values = pc.cast(values, pa.large_string())
+        large = True
+    count = len(values)
+    if not count:
+        return _NOTHING
+    buffers = values.buffers()
+    offsets = np.frombuffer(buffers[1], np.int64 if large else np.int32)[values.offset : values.offset + count + 1]
+    first, last = int(offsets[0]), int(offsets[-1])
+    data = np.frombuffer(buffers[2], np.uint8)[first:last] if last > first else np.empty(0, np.uint8)
+    lengths = np.diff(offsets)
+    width = int(lengths.max()) + 1
+    packed = np.zeros((count, width), np.uint8)
+    if (lengths == lengths[0]).all():  # event ids: one length, a reshape
+        packed[:, : width - 1] = data.reshape(count, width - 1)
+    else:
+        row_of_byte = np.repeat(np.arange(count), lengths)
+        starts: np.ndarray = np.repeat(offsets[:-1] - first, lengths)  # each byte's key's first byte
+        packed[row_of_byte, np.arange(last - first) - starts] = data
+    packed[np.arange(count), lengths] = 1
+    return packed.view(f"S{width}").ravel()
 
-    def to_pylist(self) -> list[Any]:
-        taken = self.column if self.rows is None else self.column.take(pa.array(self.rows))
-        return taken.to_pylist()
+
+def _contains(held: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """For each of ``keys``, whether it is in ``held`` (sorted, unique)."""
+    if not len(held) or not len(keys):
+        return np.zeros(len(keys), np.bool_)
+    at = np.minimum(np.searchsorted(held, keys), len(held) - 1)
+    return np.asarray(held[at] == keys, np.bool_)
+
+
+def _merged(held: np.ndarray | None, keys: np.ndarray) -> np.ndarray:
+    """``held`` (sorted, unique) with ``keys`` added: one insertion pass, not a sort of the whole bucket."""
+    keys = np.unique(keys)
+    if held is None or not len(held):
+        return keys
+    if not len(keys):
+        return held
+    kind = np.promote_types(held.dtype, keys.dtype)  # a wider key must not be cut to the bucket's width
+    held, keys = held.astype(kind, copy=False), keys.astype(kind, copy=False)
+    keys = keys[~_contains(held, keys)]
+    return np.insert(held, np.searchsorted(held, keys), keys) if len(keys) else held
 
 
 def _literal(value: dt.datetime) -> str:
