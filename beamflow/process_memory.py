@@ -10,7 +10,7 @@ so that figure grew with the input whatever the child did (a child using 10 MB r
 
 from __future__ import annotations
 
-__all__ = ["own_peak_rss_mb", "proc_rss_mb"]
+__all__ = ["glibc_heap_mb", "own_peak_rss_mb", "proc_rss_mb"]
 
 
 def _status_mb(pid: int | str, field: str) -> float | None:
@@ -36,3 +36,30 @@ def own_peak_rss_mb() -> float:
     if peak is None:
         raise RuntimeError("/proc/self/status has no VmHWM line (not Linux?)")
     return peak
+
+
+def glibc_heap_mb() -> dict[str, float]:
+    """glibc's own heap in this process (``mallinfo2``), in MB: what the allocator took from the system outside mmap
+    (``arena``), what of it is in use (``in_use``) and what it holds free (``free_held``: freed but not returned,
+    fragmentation), and its mmapped blocks (``mmapped``). Raises ``OSError`` or ``AttributeError`` without glibc 2.33+.
+    """
+    import ctypes
+
+    class _MallInfo2(ctypes.Structure):
+        # All ten fields: the struct is returned by value, so ctypes must know its whole size.
+        _fields_ = [
+            (name, ctypes.c_size_t)
+            for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+                         "fordblks", "keepcost")
+        ]  # fmt: skip
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = _MallInfo2
+    info = libc.mallinfo2()
+    mb = 2**20
+    return {
+        "arena": info.arena / mb,
+        "in_use": info.uordblks / mb,
+        "free_held": info.fordblks / mb,
+        "mmapped": info.hblkhd / mb,
+    }

@@ -240,7 +240,9 @@ def newest_savepoint(workdir: Path) -> str:
 
 def _second_taskmanager_env(extra: dict[str, str]) -> None:
     """Makes the local cluster start its second TaskManager with ``extra`` in its environment (inherited by its Python
-    workers); refuses a cluster already up, which would run without it."""
+    workers); refuses a cluster already up, which would run without it. ``extra`` wins over the cluster's own
+    settings too: ``PYTHONPATH=<another checkout>`` runs that tree's code in the second TaskManager's workers (their
+    working directory is the cluster's, so the checkout comes before the installed project), an A/B of a code change."""
     import functools
     from unittest import mock
 
@@ -255,7 +257,11 @@ def _second_taskmanager_env(extra: dict[str, str]) -> None:
     def start_with_env(self: FlinkService, ports: dict[str, int], index: int = 1) -> int:
         if index != 2:
             return start(self, ports, index)
-        with mock.patch.dict(os.environ, extra):  # start_process copies os.environ into the child's
+        own_env = self._env
+        with (
+            mock.patch.dict(os.environ, extra),  # start_process copies os.environ into the child's
+            mock.patch.object(self, "_env", lambda: {**own_env(), **extra}),  # ... then the cluster's over it
+        ):
             return start(self, ports, index)
 
     FlinkService._start_taskmanager = start_with_env  # type: ignore[method-assign]
@@ -292,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         metavar="KEY=VALUE",
         help="start the cluster's second TaskManager (and so its Python workers) with this environment variable: an "
-        "A/B inside one run (e.g. MALLOC_ARENA_MAX=2); the cluster must not be running yet",
+        "A/B inside one run (e.g. MALLOC_ARENA_MAX=2, or PYTHONPATH=<a checkout of another commit>); the cluster must "
+        "not be running yet",
     )
     args = parser.parse_args(argv)
     if args.second_tm_env:

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from beamflow.process_memory import proc_rss_mb
+from beamflow.process_memory import glibc_heap_mb, proc_rss_mb
 from transforms import write_to_iceberg
 
 __all__ = ["PROBE_EVERY_S", "ProbedIcebergCommitFn", "main"]
@@ -70,28 +70,11 @@ class _Probe:
         """glibc's own heap (``mallinfo2``): what the allocator took from the system outside mmap (``arena``), what of
         it is in use and what it holds free (``fordblks``: freed but not returned, fragmentation across its arenas),
         and its mmapped blocks. Python's small objects come from pymalloc, which takes 256 KiB arenas from mmap."""
-        import ctypes
-
-        class _MallInfo2(ctypes.Structure):
-            _fields_ = [
-                (name, ctypes.c_size_t)
-                for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-                             "fordblks", "keepcost")
-            ]  # fmt: skip
-
         try:
-            libc = ctypes.CDLL("libc.so.6")
-            libc.mallinfo2.restype = _MallInfo2
-            info = libc.mallinfo2()
+            heap = glibc_heap_mb()
         except (OSError, AttributeError) as exc:
             return {"malloc_error": str(exc)}
-        mb = 2**20
-        return {
-            "malloc_arena_mb": round(info.arena / mb, 1),
-            "malloc_in_use_mb": round(info.uordblks / mb, 1),
-            "malloc_free_held_mb": round(info.fordblks / mb, 1),
-            "malloc_mmapped_mb": round(info.hblkhd / mb, 1),
-        }
+        return {f"malloc_{name}_mb": round(value, 1) for name, value in heap.items()}
 
     @staticmethod
     def _jemalloc() -> dict[str, Any]:
@@ -150,11 +133,13 @@ class _Probe:
 
     @staticmethod
     def _process() -> dict[str, Any]:
-        """Threads, anonymous memory (/proc), tracemalloc's own overhead, and the allocator setting the worker got."""
+        """Threads, anonymous memory (/proc), tracemalloc's own overhead, the allocator setting the worker got, and
+        which tree's known keys it runs (an A/B of a code change: ``benchmarks.soak --second-tm-env PYTHONPATH=``)."""
         out: dict[str, Any] = {
             "threads": len(os.listdir("/proc/self/task")),
             "tracemalloc_overhead_mb": round(tracemalloc.get_tracemalloc_memory() / 2**20, 1),
             "malloc_arena_max": os.environ.get("MALLOC_ARENA_MAX"),
+            "known_keys_module": getattr(sys.modules.get("beamflow.iceberg.known_keys"), "__file__", None),
         }
         with open("/proc/self/smaps_rollup") as rollup:
             for line in rollup:
