@@ -18,8 +18,8 @@ Exactness: the answer for a key in a covered range is the table's content at the
   a scan of a sliver costs nearly what its hour costs to plan), else just the missing minutes;
 - each minute's keys are one sorted numpy array of fixed width (``_encode``: exact, no hashing), and a row's key is
   looked up in its own minute (a key has one time: the committer's contract for ``key_time_column``). A million
-  32-character ids are 33 MB so, where a Python set of them was about 120 MB of small objects, made and dropped
-  minute after minute, which the workers' allocators kept as free memory they never returned (``docs/streaming.md``);
+  32-character ids are 33 MB so, where a Python set of them was about 120 MB of small objects: each streaming worker
+  is about 90 MB smaller in a soak (``docs/streaming.md``, "The known keys as arrays");
 - ``max_keys`` bounds the memory (the job setting ``iceberg.known_keys_max``): past it the oldest minutes the batch
   does not need are dropped, and a later batch that needs one of them scans just that minute again. Before, past it
   every key was dropped and the next batch scanned its whole days again: once a day held more than ``max_keys``
@@ -341,8 +341,7 @@ def _encode(column: Any, rows: np.ndarray | None = None) -> np.ndarray:
     integers; strings and bytes as fixed-width bytes (``S<w>``) with a ``\\x01`` after each key, because numpy's
     byte strings ignore trailing NULs (``a`` and ``a\\x00`` would be one key without it); other types as their
     string form. Built from Arrow's buffers, with no Python object per key: a million 32-character event ids are 33 MB
-    in one array, where a Python set of them was about 120 MB of small objects that a stream dropped and made again
-    minute after minute (the workers' allocators held the freed memory: ``docs/streaming.md``)."""
+    in one array, where a Python set of them was about 120 MB of small objects."""
     if rows is not None:
         column = column.take(pa.array(rows))
     values = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
