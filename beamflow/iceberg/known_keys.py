@@ -117,6 +117,8 @@ class KnownKeys:
 
     def new_rows(self, table: Table, base: Snapshot, batch: pa.Table) -> pa.Table:
         """The rows of ``batch`` whose key the table does not hold at ``base`` (which must be the table's head)."""
+        if batch[self.key_column].null_count:  # the committer refuses such rows first; a key is what is looked up
+            raise ValueError(f"rows without a value in the key column {self.key_column!r}")
         self._follow(table, base)
         groups = self._grouped(batch) if self._timed(batch) else []
         kind = batch[self.time_column].type if groups else None

@@ -367,3 +367,11 @@ def test_a_growing_minute_leaves_no_holes_in_the_heap() -> None:
     held, inserted = growth("held"), growth("insert")
     assert held < 1.0, f"the heap grew {held:.1f} MB over 16 minutes with mapped arrays"
     assert inserted > 5.0, f"np.insert's heap grew {inserted:.1f} MB: the check would not see holes"
+
+
+def test_a_row_without_a_key_is_refused_not_matched() -> None:
+    """Keys are encoded without their nulls; a null key would shift every answer after it, so it is refused."""
+    known = KnownKeys("event_id", "event_time", scan=lambda *_: pa.table({}))
+    batch = pa.table({"event_id": pa.array(["a", None]), "event_time": pa.array([None, None], pa.timestamp("us"))})
+    with pytest.raises(ValueError, match="key column 'event_id'"):
+        known.new_rows(None, None, batch)  # type: ignore[arg-type]
