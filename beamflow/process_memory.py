@@ -6,31 +6,11 @@ largest RSS across ``execve``, and Python starts children with ``vfork``, so a c
 rusage of it) is at least its parent's RSS at the start. The benchmark parents hold the generated traffic in memory,
 so that figure grew with the input whatever the child did (a child using 10 MB reported its 611 MB parent's figure).
 ``VmHWM`` is the high-water mark of the process's own memory since its ``execve``.
-
-glibc's side (``glibc_heap_mb``, ``release_free_heap``): what the heap holds free, and handing its pages back, which
-every streaming worker does once a minute (``release_free_heap_every``, started by every beamflow sink).
 """
 
 from __future__ import annotations
 
-import ctypes
-import os
-import threading
-import time
-
-__all__ = [
-    "RELEASE_FREE_HEAP_ENV",
-    "glibc_heap_mb",
-    "own_peak_rss_mb",
-    "proc_rss_mb",
-    "release_free_heap",
-    "release_free_heap_every",
-]
-
-# Seconds between two ``release_free_heap`` calls of a streaming worker's releaser; 0 switches it off.
-RELEASE_FREE_HEAP_ENV = "BEAMFLOW_RELEASE_FREE_HEAP_S"
-_releaser: threading.Thread | None = None
-_releaser_lock = threading.Lock()
+__all__ = ["glibc_heap_mb", "own_peak_rss_mb", "proc_rss_mb"]
 
 
 def _status_mb(pid: int | str, field: str) -> float | None:
@@ -63,6 +43,7 @@ def glibc_heap_mb() -> dict[str, float]:
     (``arena``), what of it is in use (``in_use``) and what it holds free (``free_held``: freed but not returned,
     fragmentation), and its mmapped blocks (``mmapped``). Raises ``OSError`` or ``AttributeError`` without glibc 2.33+.
     """
+    import ctypes
 
     class _MallInfo2(ctypes.Structure):
         # All ten fields: the struct is returned by value, so ctypes must know its whole size.
@@ -82,43 +63,3 @@ def glibc_heap_mb() -> dict[str, float]:
         "free_held": info.fordblks / mb,
         "mmapped": info.hblkhd / mb,
     }
-
-
-def release_free_heap() -> bool:
-    """Hands the pages of glibc's free heap memory back to the system (``malloc_trim(0)``: the top of each arena, and
-    the whole free pages inside it, by ``madvise``), so that memory glibc holds free stops counting as resident.
-
-    Why: a streaming worker frees memory between blocks it keeps (fragmentation); glibc returns only the top of an
-    arena on its own, so the worker's RSS grows with memory nothing uses (``docs/streaming.md``). A fraction of a
-    millisecond on a worker's heap. False where there is no glibc (the call is then a no-op)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.malloc_trim(0))  # ctypes lets go of the GIL for the call
-    except (OSError, AttributeError):
-        return False
-
-
-def release_free_heap_every(interval_s: float | None = None) -> threading.Thread | None:
-    """Starts this process's releaser, once: a daemon thread calling ``release_free_heap`` every ``interval_s``
-    (default: ``$BEAMFLOW_RELEASE_FREE_HEAP_S``, else 60; 0 or less: none). Returns the thread it started, or None
-    (switched off, or already running). Every beamflow sink starts it in ``setup``, so each Python worker of a job
-    has one."""
-    global _releaser
-    if interval_s is None:
-        interval_s = float(os.environ.get(RELEASE_FREE_HEAP_ENV, "60"))
-    if interval_s <= 0:
-        return None
-    with _releaser_lock:
-        if _releaser is not None and _releaser.is_alive():
-            return None
-        _releaser = threading.Thread(
-            target=_release_forever, args=(interval_s,), name="beamflow-release-free-heap", daemon=True
-        )
-        _releaser.start()
-        return _releaser
-
-
-def _release_forever(interval_s: float) -> None:
-    while True:
-        time.sleep(interval_s)
-        release_free_heap()

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from beamflow.process_memory import RELEASE_FREE_HEAP_ENV, glibc_heap_mb, proc_rss_mb
+from beamflow.process_memory import glibc_heap_mb, proc_rss_mb
 from transforms import write_to_iceberg
 
 __all__ = ["PROBE_EVERY_S", "ProbedIcebergCommitFn", "main"]
@@ -140,7 +140,6 @@ class _Probe:
             "tracemalloc_overhead_mb": round(tracemalloc.get_tracemalloc_memory() / 2**20, 1),
             "malloc_arena_max": os.environ.get("MALLOC_ARENA_MAX"),
             "known_keys_module": getattr(sys.modules.get("beamflow.iceberg.known_keys"), "__file__", None),
-            "release_free_heap_s": os.environ.get(RELEASE_FREE_HEAP_ENV, "60 (default)"),
         }
         with open("/proc/self/smaps_rollup") as rollup:
             for line in rollup:

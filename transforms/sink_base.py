@@ -75,7 +75,6 @@ from apache_beam.pvalue import TaggedOutput
 from apache_beam.utils.timestamp import MIN_TIMESTAMP, Timestamp
 
 from beamflow.deadletter import DeadLetter, encode_payload
-from beamflow.process_memory import release_free_heap_every
 from transforms._global_window import in_global_window
 
 __all__ = ["DEAD_LETTERS", "WRITTEN", "Declared", "Guarantee", "SinkFn", "SinkResult", "write_with"]
@@ -143,7 +142,6 @@ class SinkFn(beam.DoFn):
     # Beam's life, in terms of the four steps above. Subclasses do not override these.
 
     def setup(self) -> None:
-        release_free_heap_every()  # once per worker process: its free heap pages go back to the system every minute
         self.open()
 
     def start_bundle(self) -> None:
