@@ -67,9 +67,8 @@ class _Probe:
 
     @staticmethod
     def _malloc() -> dict[str, Any]:
-        """glibc's own heap (``mallinfo2``): what the allocator took from the system outside mmap (``arena``), what of
-        it is in use and what it holds free (``fordblks``: freed but not returned, fragmentation across its arenas),
-        and its mmapped blocks. Python's small objects come from pymalloc, which takes 256 KiB arenas from mmap."""
+        """glibc's own heap (``beamflow.process_memory.glibc_heap_mb``). Python's small objects are not in it: they
+        come from pymalloc's arenas, which it maps itself (``_pymalloc``)."""
         try:
             heap = glibc_heap_mb()
         except (OSError, AttributeError) as exc:

@@ -391,37 +391,36 @@ def _merged(held: np.ndarray | None, keys: np.ndarray) -> np.ndarray:
     whole bucket."""
     keys = np.unique(keys)
     if held is None or not len(held):
-        return _held_array(keys) if len(keys) else _NOTHING
+        if not len(keys):
+            return _NOTHING
+        held = _held_array(len(keys), keys.dtype)
+        held[:] = keys
+        return held
     if not len(keys):
         return held
     kind = np.promote_types(held.dtype, keys.dtype)  # a wider key must not be cut to the bucket's width
-    held, keys = held.astype(kind, copy=False), keys.astype(kind, copy=False)
-    keys = keys[~_contains(held, keys)]
+    widened, keys = held.astype(kind, copy=False), keys.astype(kind, copy=False)
+    keys = keys[~_contains(widened, keys)]
     if not len(keys):
-        return held
-    merged = _held_array(np.empty(0, kind), len(held) + len(keys))
-    added_at = np.searchsorted(held, keys) + np.arange(len(keys))  # each new key's place in the merged array
+        return held  # the bucket's own array: a widened copy would live on the heap
+    merged = _held_array(len(widened) + len(keys), kind)
+    added_at = np.searchsorted(widened, keys) + np.arange(len(keys))  # each new key's place in the merged array
     taken = np.zeros(len(merged), np.bool_)
     taken[added_at] = True
     merged[added_at] = keys
-    merged[~taken] = held
+    merged[~taken] = widened
     return merged
 
 
-def _held_array(values: np.ndarray, count: int | None = None) -> np.ndarray:
-    """An array to hold keys: ``values`` copied, or ``count`` uninitialised slots of their dtype. One of 256 KB or
-    more gets an anonymous mapping of its own, returned to the system when the array is dropped. From the heap
-    instead, the current minute's array, replaced by one a commit larger at every commit, left holes that no later
-    array fits: glibc held them as free memory, +2.2 MB a minute per worker in a soak (``docs/streaming.md``)."""
-    count = len(values) if count is None else count
-    size = count * values.dtype.itemsize
+def _held_array(count: int, kind: np.dtype) -> np.ndarray:
+    """An uninitialised array of ``count`` keys to hold. One of 256 KB or more gets an anonymous mapping of its own,
+    returned to the system when the array is dropped. From the heap instead, the current minute's array, replaced by
+    one a commit larger at every commit, left holes that no later array fits: glibc held them as free memory, +2 MB a
+    minute per worker in a soak (``docs/streaming.md``)."""
+    size = count * kind.itemsize
     if size < _MAPPED_BYTES:
-        array = np.empty(count, values.dtype)
-    else:
-        array = np.frombuffer(mmap.mmap(-1, size), values.dtype, count)
-    if len(values):
-        array[:] = values
-    return array
+        return np.empty(count, kind)
+    return np.frombuffer(mmap.mmap(-1, size), kind, count)
 
 
 def _literal(value: dt.datetime) -> str:
