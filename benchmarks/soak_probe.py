@@ -7,6 +7,17 @@ per bundle) starts ``tracemalloc`` in its first call and, every ``PROBE_EVERY_S`
 worker's RSS, the traced heap, pyarrow's pool, the object counts by type that changed most since the first probe,
 and the source lines whose retained allocations grew most. Nothing of it is in the product: run exactly like
 ``python -m pipelines.clicks`` (``python -m benchmarks.soak_probe --runner=FlinkRunner ...``).
+
+``BEAMFLOW_PROBE_SURVIVORS=START:END`` (seconds from the worker's first bundle) asks another question: which
+objects were made between START and END and are still alive at END. A bounded cache whose entries are replaced
+keeps its size, so a comparison of snapshots shows no growth for it, yet each replacement puts a long-lived object
+among the short-lived ones of its bundle and keeps their memory from being reused whole: memory that grows while
+nothing in use does. tracemalloc would name the lines, but tracing a worker at 1,500 records/s slowed it until its
+checkpoints expired and the job restarted (tried). So this is a census of the collector's objects instead, nothing
+traced in between: at START the addresses of every object the collector tracks (a sorted array, 8 bytes each); at
+END the objects at addresses not in it, counted by type, and for a sample of each of the commonest types, the
+types of the objects that refer to them. Written to ``<pid>.survivors.json``. Strings and numbers are not tracked
+by the collector: their owners are.
 """
 
 from __future__ import annotations
@@ -22,6 +33,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from beamflow.process_memory import glibc_heap_mb, proc_rss_mb
 from transforms import write_to_iceberg
 
@@ -29,6 +42,14 @@ __all__ = ["PROBE_EVERY_S", "ProbedIcebergCommitFn", "main"]
 
 PROBE_EVERY_S = 60.0
 _TOP = 25
+_SURVIVOR_TOP = 40
+_SURVIVOR_TYPES = 12  # the commonest types whose holders are sampled
+_SURVIVOR_SAMPLE = 50
+
+
+def _name(o: object) -> str:
+    kind = type(o)
+    return f"{kind.__module__}.{kind.__qualname__}" if kind.__module__ != "builtins" else kind.__qualname__
 
 
 class _Probe:
@@ -48,6 +69,12 @@ class _Probe:
         folder = Path(os.environ.get("BEAMFLOW_PROBE_DIR", "/tmp/beamflow-probe"))
         folder.mkdir(parents=True, exist_ok=True)
         self.out = folder / f"{os.getpid()}.jsonl"
+        window = os.environ.get("BEAMFLOW_PROBE_SURVIVORS", "")
+        self.survivors: tuple[float, float] | None = None
+        self.born_before: np.ndarray | None = None
+        if window:
+            start, end = (float(x) for x in window.split(":"))
+            self.survivors = (self.t0 + start, self.t0 + end)
 
     @staticmethod
     def _types() -> collections.Counter[str]:
@@ -140,14 +167,61 @@ class _Probe:
             "malloc_arena_max": os.environ.get("MALLOC_ARENA_MAX"),
             "known_keys_module": getattr(sys.modules.get("beamflow.iceberg.known_keys"), "__file__", None),
         }
+        # The cyclic collector: how often each generation ran, and how many objects it tracks (cyclic garbage among
+        # them until a collection of its generation finds it).
+        out["gc_collections"] = [stats["collections"] for stats in gc.get_stats()]
+        out["gc_thresholds"] = list(gc.get_threshold())
+        out["gc_tracked"] = len(gc.get_objects())
         with open("/proc/self/smaps_rollup") as rollup:
             for line in rollup:
                 if line.startswith("Anonymous:"):
                     out["anonymous_mb"] = round(int(line.split()[1]) / 1024, 1)
         return out
 
+    def _survivors(self, now: float) -> None:
+        """At the window's start, the tracked objects' addresses; at its end, what is new among them."""
+        if self.survivors is None:
+            return
+        start, end = self.survivors
+        if now >= start and self.born_before is None:
+            self.born_before = np.sort(np.fromiter(map(id, gc.get_objects()), np.int64))
+        elif now >= end and self.born_before is not None:
+            self.survivors = None
+            started = time.monotonic()
+            everything = gc.get_objects()
+            addresses = np.fromiter(map(id, everything), np.int64, len(everything))
+            new = ~np.isin(addresses, self.born_before, assume_unique=False)
+            self.born_before = None
+            survivors = [everything[i] for i in np.flatnonzero(new)]
+            by_type = collections.Counter(_name(o) for o in survivors)
+            # Who holds the survivors: one pass over every object's referents, for a sample of each common type.
+            sample: dict[int, str] = {}
+            for name, _ in by_type.most_common(_SURVIVOR_TYPES):
+                of_type = [o for o in survivors if _name(o) == name]
+                for o in of_type[:: max(1, len(of_type) // _SURVIVOR_SAMPLE)][:_SURVIVOR_SAMPLE]:
+                    sample[id(o)] = name
+            holders: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+            for holder in everything:
+                for referent in gc.get_referents(holder):
+                    sampled = sample.get(id(referent))
+                    if sampled is not None:
+                        holders[sampled][_name(holder)] += 1
+            report = {
+                "window_s": [round(start - self.t0), round(end - self.t0)],
+                "tracked_at_start": len(addresses) - int(new.sum()),
+                "tracked_at_end": len(addresses),
+                "survivors": int(new.sum()),
+                "survivor_bytes_shallow": sum(sys.getsizeof(o) for o in survivors),
+                "by_type": by_type.most_common(_SURVIVOR_TOP),
+                "holders": {name: holders[name].most_common(8) for name, _ in by_type.most_common(_SURVIVOR_TYPES)},
+                "census_s": round(time.monotonic() - started, 2),
+            }
+            del everything, survivors
+            (self.out.parent / f"{os.getpid()}.survivors.json").write_text(json.dumps(report, indent=1))
+
     def maybe(self) -> None:
         now = time.monotonic()
+        self._survivors(now)
         if now < self.next_at:
             return
         self.next_at = now + PROBE_EVERY_S
