@@ -191,7 +191,7 @@ class _Probe:
             everything = gc.get_objects()
             addresses = np.fromiter(map(id, everything), np.int64, len(everything))
             new = ~np.isin(addresses, self.born_before, assume_unique=False)
-            self.born_before = None
+            tracked_at_start, self.born_before = len(self.born_before), None
             survivors = [everything[i] for i in np.flatnonzero(new)]
             by_type = collections.Counter(_name(o) for o in survivors)
             # Who holds the survivors: one pass over every object's referents, for a sample of each common type.
@@ -208,7 +208,7 @@ class _Probe:
                         holders[sampled][_name(holder)] += 1
             report = {
                 "window_s": [round(start - self.t0), round(end - self.t0)],
-                "tracked_at_start": len(addresses) - int(new.sum()),
+                "tracked_at_start": tracked_at_start,
                 "tracked_at_end": len(addresses),
                 "survivors": int(new.sum()),
                 "survivor_bytes_shallow": sum(sys.getsizeof(o) for o in survivors),

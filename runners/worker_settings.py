@@ -19,10 +19,11 @@ The same two settings ``runners.direct`` applies to the in-process worker of a l
   freed) instead of 700. Not fewer: most of a worker's objects are freed by their counts, so the surplus grows only by
   what stays alive, and cyclic garbage is most of that. pyiceberg makes a cycle each time it loads a table (its
   ``PyArrowFileIO`` holds an ``lru_cache`` of its own bound method; five per commit), freed only by the
-  collector. At (100,000, 50, 100) a soak's workers collected none of them in 13 minutes (a census of the objects
-  made in that window and still tracked: 40,000, most of them pyiceberg's) and grew with them; at (10,000, 10, 10)
-  a soak's worker (1,500 records/s at parallelism 2) ran a young collection every 1.3 s, a full one every 3 minutes,
-  and its tracked objects stayed flat (``docs/streaming.md``, "Cyclic garbage the workers never collected").
+  collector. At (100,000, 50, 100) a soak's workers ran no young collection from minute 1 to 30 and grew with the
+  cycles (a census of the objects one worker made over 13 minutes and still tracked: 40,000, most of them
+  pyiceberg's); at (10,000, 10, 10) a soak's worker (1,500 records/s at parallelism 2) ran a young collection every
+  1.0-1.3 s and a full one every 2-3 minutes, and its tracked objects stayed flat (``docs/streaming.md``, "Cyclic
+  garbage the workers never collected").
   ``tests/unit/test_worker_gc.py`` shows both.
 """
 
