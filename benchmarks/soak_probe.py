@@ -193,12 +193,14 @@ class _Probe:
             new = ~np.isin(addresses, self.born_before, assume_unique=False)
             tracked_at_start, self.born_before = len(self.born_before), None
             survivors = [everything[i] for i in np.flatnonzero(new)]
-            by_type = collections.Counter(_name(o) for o in survivors)
+            of_type: dict[str, list[object]] = collections.defaultdict(list)
+            for o in survivors:
+                of_type[_name(o)].append(o)
+            by_type = collections.Counter({name: len(objects) for name, objects in of_type.items()})
             # Who holds the survivors: one pass over every object's referents, for a sample of each common type.
             sample: dict[int, str] = {}
-            for name, _ in by_type.most_common(_SURVIVOR_TYPES):
-                of_type = [o for o in survivors if _name(o) == name]
-                for o in of_type[:: max(1, len(of_type) // _SURVIVOR_SAMPLE)][:_SURVIVOR_SAMPLE]:
+            for name, count in by_type.most_common(_SURVIVOR_TYPES):
+                for o in of_type[name][:: max(1, count // _SURVIVOR_SAMPLE)][:_SURVIVOR_SAMPLE]:
                     sample[id(o)] = name
             holders: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
             for holder in everything:
@@ -216,7 +218,7 @@ class _Probe:
                 "holders": {name: holders[name].most_common(8) for name, _ in by_type.most_common(_SURVIVOR_TYPES)},
                 "census_s": round(time.monotonic() - started, 2),
             }
-            del everything, survivors
+            del everything, survivors, of_type
             (self.out.parent / f"{os.getpid()}.survivors.json").write_text(json.dumps(report, indent=1))
 
     def maybe(self) -> None:
