@@ -75,6 +75,17 @@ class _Probe:
         if window:
             start, end = (float(x) for x in window.split(":"))
             self.survivors = (self.t0 + start, self.t0 + end)
+        # What the collector costs the worker: seconds inside collections, per generation, from its own callbacks
+        # (the thresholds decide how often it runs; this says what that frequency costs beside the worker's CPU).
+        self.gc_seconds = [0.0, 0.0, 0.0]
+        self._gc_started = 0.0
+        gc.callbacks.append(self._gc_timer)
+
+    def _gc_timer(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        else:
+            self.gc_seconds[info["generation"]] += time.perf_counter() - self._gc_started
 
     @staticmethod
     def _types() -> collections.Counter[str]:
@@ -230,6 +241,8 @@ class _Probe:
         line: dict[str, Any] = {
             "t_s": round(now - self.t0),
             "rss_mb": round(proc_rss_mb() or 0.0, 1),
+            "cpu_s": round(time.process_time(), 2),
+            "gc_s": [round(seconds, 3) for seconds in self.gc_seconds],
             **self._arrow(),
             **self._malloc(),
             **self._jemalloc(),
