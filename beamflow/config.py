@@ -144,8 +144,9 @@ class IcebergConfig:
     sink_id: str | None = None  # stable across restarts; doctor refuses none or a run id
     catalog: IcebergCatalog = field(default_factory=IcebergCatalog)
     # The most event ids each committer (one per worker) keeps in memory to tell new rows from replays, 33 MB a
-    # million 32-character ids (sorted fixed-width arrays, beamflow.iceberg.known_keys); past it the oldest minutes
-    # are dropped and scanned again if a replay needs them.
+    # million 32-character ids (sorted fixed-width arrays, beamflow.iceberg.known_keys); past it the minutes the
+    # batches needed least recently are dropped and scanned again if a replay or a late event needs them. Sized to
+    # hold the stream's lateness (rate x how late events come), no minute is scanned twice.
     known_keys_max: int = 1_000_000
 
     def __post_init__(self) -> None:

@@ -235,19 +235,46 @@ def test_the_bound_is_a_job_setting(tmp_path: Path) -> None:
 
 
 def test_a_sparse_stream_does_not_pile_up_empty_minutes(tmp_path: Path) -> None:
-    """Empty minutes stay covered (they cost no keys), but not for ever: those older than the minutes the bound
-    dropped go too, or a stream with quiet minutes would grow its coverage by every quiet minute it ever saw."""
+    """Empty minutes stay covered (they cost no keys), but not for ever: past ``max_empty`` the least recently needed
+    go, or a stream with quiet minutes would grow its coverage by every quiet minute it ever saw."""
     catalog, (a, b) = _committers(tmp_path)
     assert a.known_keys is not None and b.known_keys is not None
     a.known_keys.max_keys = b.known_keys.max_keys = 100
+    a.known_keys.max_empty = b.known_keys.max_empty = 30
     for step, minute in enumerate(range(0, 240, 2)):  # four hours, every other minute quiet
         writer = a if step % 2 else b
         assert writer.commit(_minute_rows(range(step * 20, step * 20 + 20), minute)).rows_written == 20
-    covered = a.known_keys.covered_buckets
-    # The last hour scanned (60 minutes) and the kept minutes before it, not four hours of quiet minutes.
-    assert covered <= 60 + 10, f"{covered} minutes covered"
+        covered = writer.known_keys.covered_buckets if writer.known_keys else 0
+        # 30 empty minutes and the minutes that hold keys (100 keys, 20 a minute, and the batch's own).
+        assert covered <= 30 + 100 // 20 + 1, f"{covered} minutes covered"
     assert a.commit(_minute_rows(range(0, 20), 0)).rows_existing_key == 20  # a dropped minute: scanned, exact
     assert _ids(catalog) == sorted(f"e{i}" for i in range(120 * 20))
+
+
+def test_late_events_do_not_send_every_batch_back_to_a_scan(tmp_path: Path) -> None:
+    """A stream past ``max_keys`` whose every batch carries an event three hours late (as the traffic generator's
+    too-late share does): the late hour is scanned once, and its minutes stay covered while late events keep coming.
+    Before, the late minute (the oldest, with one key) was dropped first, and the late hour's empty minutes with it
+    (older than what the bound dropped), so each batch scanned a minute three hours back: in a soak each such scan
+    read every file of the last three hours (a file holding a late row spans them), and the workers' CPU a minute
+    doubled in 52 minutes at a constant rate. Here that was a scan per batch."""
+    catalog, (a, b) = _committers(tmp_path)
+    assert a.known_keys is not None and b.known_keys is not None
+    a.known_keys.max_keys = b.known_keys.max_keys = 100
+    for minute in range(180, 240):  # an hour of minutes, alternating writers: 20 rows on time, 1 three hours late
+        first = minute * 21
+        late = _minute_rows(range(first + 20, first + 21), minute - 180)
+        rows = _minute_rows(range(first, first + 20), minute) + late
+        writer = a if minute % 2 else b
+        assert writer.commit(rows).rows_written == 21
+        assert len(writer.known_keys or []) <= 100 + 21, "the bound holds, up to the batch just added"
+    # Each committer's first batch scanned its two hours (the batch's, the late rows'); nothing was scanned after.
+    assert (a.known_keys.stats.scans, b.known_keys.stats.scans) == (2, 2)
+    assert a.known_keys.stats.evicted_buckets > 0
+    # Replays of both kinds are known: the newest minute from memory, a dropped one by a scan of just that minute.
+    assert a.commit(_minute_rows(range(239 * 21, 239 * 21 + 20), 239)).rows_existing_key == 20
+    assert a.commit(_minute_rows(range(180 * 21, 180 * 21 + 20), 180)).rows_existing_key == 20
+    assert _ids(catalog) == sorted(f"e{i}" for i in range(180 * 21, 240 * 21))
 
 
 # ---- the keys' arrays: exact whatever the key -----------------------------------------------------------------------
