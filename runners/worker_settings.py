@@ -23,7 +23,8 @@ The same two settings ``runners.direct`` applies to the in-process worker of a l
   cycles (a census of the objects one worker made over 13 minutes and still tracked: 40,000, most of them
   pyiceberg's); at (10,000, 10, 10) a soak's worker (1,500 records/s at parallelism 2) ran a young collection every
   1.0-1.3 s and a full one every 2-3 minutes, and its tracked objects stayed flat (``docs/streaming.md``, "Cyclic
-  garbage the workers never collected").
+  garbage the workers never collected"). What that costs, timed by the soak probe's collector callbacks: 1.1-2.0%
+  of a worker's CPU (a young collection about 3.3 ms, a full one about 75 ms).
   ``tests/unit/test_worker_gc.py`` shows both.
 """
 
