@@ -411,7 +411,8 @@ def known_keys_bound_small(job: Job) -> Finding | None:
         "a commit touches sends commits back to scanning the table, the stall the known keys exist to prevent "
         "(tests/flink/test_streaming_backlog.py with a bound of 1: 27 scans in 24 commits, against 4 in 12)",
         "keep a few minutes of traffic under it (the default 1,000,000 is 11 minutes at 1,500 events/s, about "
-        "33 MB a worker); `beamflow status` shows the scans (Iceberg key lookups that scanned the table)",
+        "33 MB a worker), and the stream's lateness if memory allows (a late event's minute dropped under the bound "
+        "is scanned again); `beamflow status` shows the scans (Iceberg key lookups that scanned the table)",
     )
 
 
