@@ -56,15 +56,6 @@ def rss_mb(pid: int) -> float:
     return proc_rss_mb(pid) or 0.0
 
 
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of one process so far (0 when it is gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def work_growth(samples: list[dict[str, Any]], from_s: float, span: int = 5) -> tuple[float, float, float] | None:
     """The Python workers' CPU seconds a minute over the first ``span`` sample intervals of the run's second half (or
     from ``from_s``, if later) and over the last ``span``, and the relative growth between them. The second half:
@@ -111,6 +102,7 @@ def heap_resident_mb(pid: int) -> float:
 def sample(rest: Any, job_id: str, flink: Any, job_name: str, config: dict[str, Any], t0: float) -> dict[str, Any]:
     from beamflow.cli.status import kafka_lag
     from beamflow.services.flink import python_workers
+    from benchmarks.flink_streaming import _proc_table
 
     taskmanagers = [pid for role, pid in flink.info["roles"].items() if role.startswith("taskmanager")]
     workers = python_workers(flink, job_name)
@@ -129,6 +121,7 @@ def sample(rest: Any, job_id: str, flink: Any, job_name: str, config: dict[str, 
         except Exception:  # a missed sample is fine
             pass
     tm_rss = sum(rss_mb(p) for p in taskmanagers)
+    processes = _proc_table()  # user + sys CPU seconds per pid (a worker gone since the listing counts nothing)
     return {
         "t_s": round(time.monotonic() - t0),
         "taskmanager_rss_mb": round(tm_rss, 1),
@@ -136,7 +129,7 @@ def sample(rest: Any, job_id: str, flink: Any, job_name: str, config: dict[str, 
         **{key: round(jvm[name] / 2**20, 1) if name in jvm else None for name, key in JVM_METRICS.items()},
         "python_workers": len(workers),
         "python_workers_rss_mb": round(sum(rss_mb(p) for p in workers), 1),
-        "python_workers_cpu_s": round(sum(cpu_s(p) for p in workers), 2),
+        "python_workers_cpu_s": round(sum(processes[p][1] for p in workers if p in processes), 2),
         "python_workers_pids": sorted(workers),
         "checkpoint_id": latest.get("id"),
         "checkpoint_state_mb": round(float(latest.get("state_size") or 0) / 2**20, 3),
