@@ -23,6 +23,11 @@ goal: the input rate is constant, so the work a minute must be too. An 80-minute
 s a minute per worker) while memory and checkpoints looked fine: the Iceberg committer rescanned late events'
 minutes, each scan reading more files as the run went on (``docs/streaming.md``, "Late events sent the known keys
 back to a scan").
+
+``--compact-every-min M`` runs the table maintenance a user schedules beside the job (``beamflow iceberg compact``,
+``--compact-sort-by`` its ``--sort-by``) every M minutes from the soak's own process, and reports each run: files
+rewritten, seconds, attempts lost to the sink's commits. Without it the table's file count grows all day, and so
+does what each of the sink's key lookups plans over.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import itertools
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -148,6 +154,55 @@ def sample_running(rest: Any, job_id: str, flink: Any, config: dict[str, Any], t
     if state != "RUNNING":
         raise RuntimeError(f"the job is {state}: {rest.job_exceptions(job_id)}")
     return sample(rest, job_id, flink, config["flink"]["job_name"], config, t0)
+
+
+class CompactionSchedule(threading.Thread):
+    """``compact_files`` on the soak's Iceberg table every ``every_s`` seconds, beside the running job, as a user's
+    scheduled ``beamflow iceberg compact`` would; each run's result is kept for the report."""
+
+    def __init__(self, config: dict[str, Any], every_s: float, sort_by: str | None, t0: float) -> None:
+        super().__init__(name="soak-compaction", daemon=True)
+        self.config, self.every_s, self.sort_by, self.t0 = config, every_s, sort_by, t0
+        self.runs: list[dict[str, Any]] = []
+        self.error: BaseException | None = None
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        from beamflow.iceberg.catalog import CatalogConfig, open_catalog
+        from beamflow.iceberg.maintenance import compact_files
+
+        iceberg = self.config["iceberg"]
+        catalog = open_catalog(CatalogConfig(**iceberg["catalog"]))
+        while not self._stop_event.wait(self.every_s):
+            started = time.monotonic()
+            try:
+                result = compact_files(lambda: catalog.load_table(iceberg["table"]), sort_by=self.sort_by)
+            except BaseException as exc:  # reported at the end; the soak's job goes on without maintenance
+                self.error = exc
+                return
+            self.runs.append(
+                {
+                    "t_s": round(started - self.t0),
+                    "seconds": round(time.monotonic() - started, 1),
+                    **{k: v for k, v in result.__dict__.items() if k != "snapshot_id"},
+                }
+            )
+            print(json.dumps({"compaction": self.runs[-1]}), flush=True)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=600)
+
+    def report(self) -> list[str]:
+        runs = self.runs
+        longest = max((r["seconds"] for r in runs), default=0)
+        line = (
+            f"compactions every {self.every_s / 60:g} min (sorted by {self.sort_by or 'nothing'}): {len(runs)}, "
+            f"{sum(r['files_removed'] for r in runs):,} files rewritten into {sum(r['files_added'] for r in runs):,}, "
+            f"{sum(r['seconds'] for r in runs):.0f} s in all, longest {longest:g} s, "
+            f"attempts {sum(r['attempts'] for r in runs)}"
+        )
+        return [line] + ([f"compaction FAILED and stopped: {self.error!r}"] if self.error else [])
 
 
 def savepoint_mb(rest: Any, job_id: str, target: Path) -> float:
@@ -327,6 +382,13 @@ def main(argv: list[str] | None = None) -> int:
         "savepoint after --restart-down-s of live traffic",
     )
     parser.add_argument(
+        "--compact-every-min",
+        type=float,
+        default=0.0,
+        help="compact the Iceberg table this often beside the job (0: never, the table's files pile up)",
+    )
+    parser.add_argument("--compact-sort-by", help="the compaction's --sort-by column (e.g. event_time)")
+    parser.add_argument(
         "--probe",
         action="store_true",
         help="run benchmarks.soak_probe (tracemalloc and object counts in each Python worker, /tmp/beamflow-probe)",
@@ -363,6 +425,10 @@ def main(argv: list[str] | None = None) -> int:
     live = LiveProducer(config, args.rate, {p: 0 for p in range(int(kafka["partitions"]))}, seed=77, keep=False)
     live.start()
     t0 = time.monotonic()
+    compaction = None
+    if args.compact_every_min:
+        compaction = CompactionSchedule(config, args.compact_every_min * 60, args.compact_sort_by, t0)
+        compaction.start()
     samples: list[dict[str, Any]] = []
     savepoints: list[tuple[int, float]] = []  # (t_s, MB): at --from-minute and at the end
     restart: dict[str, Any] | None = None
@@ -391,8 +457,12 @@ def main(argv: list[str] | None = None) -> int:
             job_id = restart["job_id"]
     finally:
         live.stop()
+        if compaction is not None:
+            compaction.stop()
         rest.cancel(job_id)
     lines = report(samples, args.from_minute * 60)
+    if compaction is not None:
+        lines += compaction.report()
     if len(savepoints) >= 2:
         (t1, mb1), (t2, mb2) = savepoints[0], savepoints[-1]
         change = (mb2 - mb1) / mb1 if mb1 else float("nan")
@@ -408,7 +478,13 @@ def main(argv: list[str] | None = None) -> int:
         lines += restart["report"]
     print("\n".join(lines))
     if args.json:
-        out = {"args": vars(args), "samples": samples, "report": lines, "restart": restart}
+        out = {
+            "args": vars(args),
+            "samples": samples,
+            "report": lines,
+            "restart": restart,
+            "compactions": compaction.runs if compaction is not None else [],
+        }
         Path(args.json).write_text(json.dumps(out, indent=2))
     return 0
 

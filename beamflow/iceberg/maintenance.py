@@ -169,6 +169,7 @@ def compact_files(
     min_input_files: int = 2,
     max_group_bytes: int = 512 * 1024 * 1024,
     max_attempts: int = 50,
+    sort_by: str | None = None,
 ) -> CompactResult:
     """Rewrites data files smaller than ``small_file_bytes`` into larger ones, per partition, in one overwrite
     commit.
@@ -177,6 +178,10 @@ def compact_files(
     ``max_group_bytes`` (of Parquet input) bounds it. Files with delete files attached are skipped. The commit
     deletes exactly the files it read and adds the rewritten ones, based on the head it read; a concurrent
     commit fails it and it starts over from the new head, so rows are never lost or doubled.
+
+    ``sort_by`` (a column) orders each group's rows before they are written. Without it a rewritten file holds its
+    inputs' rows in input order, so every row group spans the partition's whole range of that column and a scan
+    filtered on it (the sink's key lookup by event time) reads the whole file where the small files were pruned.
     """
     result = CompactResult()
 
@@ -214,6 +219,8 @@ def compact_files(
         with tx.update_snapshot(snapshot_properties={"beamflow.maintenance": "compact"}).overwrite() as rewrite:
             for group in chosen:
                 rows = ArrowScan(tx.table_metadata, table.io, table.schema(), AlwaysTrue()).to_table(group)
+                if sort_by is not None:
+                    rows = rows.sort_by(sort_by)
                 for task in group:
                     rewrite.delete_data_file(task.file)
                     result.files_removed += 1

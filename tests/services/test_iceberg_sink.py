@@ -234,6 +234,28 @@ def test_compaction_while_the_sink_commits(catalog_config: CatalogConfig) -> Non
     assert report.data_files == days  # after the last compaction: one file per day partition, not one per commit
 
 
+def test_compaction_sorted_by_a_column_writes_its_rows_in_order(tmp_path: Path) -> None:
+    """A stream's files each hold a short stretch of event time; a rewrite keeps its inputs' order, so one compacted
+    file spans the whole day in every row group unless ``sort_by`` orders it (the sink's key lookup filters by event
+    time and prunes by those ranges). Rows arrive newest first here, so the unsorted rewrite is out of order."""
+    rows = events(120)
+    base = dt.datetime(2024, 5, 1, 12)
+    for i, row in enumerate(rows):  # offsets ascend (the sink's marks need that), event times descend, one day
+        row["event_time"] = base - dt.timedelta(minutes=i)
+    in_order = {}
+    for sort_by in (None, "event_time"):
+        config = CatalogConfig.local(tmp_path / str(sort_by))
+        sink = committer(config)
+        for b in batches(rows, 30):
+            sink.commit(b)
+        result = compact_files(sink.load, small_file_bytes=1 << 30, sort_by=sort_by)
+        assert (result.files_removed, result.files_added, result.rows_rewritten) == (4, 1, 120)
+        times = sink.load().scan(selected_fields=("event_time",)).to_arrow()["event_time"].to_pylist()
+        in_order[sort_by] = times == sorted(times)
+        assert_each_once(audit(config), 120)
+    assert in_order == {None: False, "event_time": True}
+
+
 def test_rows_without_coordinates_deduplicated_by_key(sqlite_config: CatalogConfig) -> None:
     def aggregates(windows: range) -> list[dict[str, Any]]:
         return [
