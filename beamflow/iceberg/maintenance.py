@@ -18,6 +18,7 @@ import itertools
 import logging
 import random
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -27,9 +28,10 @@ import sqlalchemy.exc
 from pyiceberg.exceptions import CommitFailedException
 from pyiceberg.expressions import AlwaysTrue
 from pyiceberg.io.pyarrow import ArrowScan, _dataframe_to_data_files
+from pyiceberg.manifest import ManifestContent
 from pyiceberg.table import Table
 from pyiceberg.table.metadata import TableMetadata
-from pyiceberg.table.snapshots import ancestors_of
+from pyiceberg.table.snapshots import Operation, ancestors_of
 from pyiceberg.table.update import (
     AssertRefSnapshotId,
     RemoveSnapshotsUpdate,
@@ -160,7 +162,44 @@ class CompactResult:
     rows_rewritten: int = 0
     bytes_removed: int = 0
     attempts: int = 0
+    rewrites: int = 0  # how often the data was read and written; more than one only when a rewrite was invalidated
     snapshot_id: int | None = None
+
+
+@dataclass
+class _Rewrite:
+    """One read-and-write of small files: which files it replaces with which, based on which snapshot."""
+
+    base_snapshot_id: int
+    schema_id: int
+    spec_id: int
+    removed: list[Any] = field(default_factory=list)
+    added: list[Any] = field(default_factory=list)
+    rows: int = 0
+
+
+def _still_valid(table: Table, rewrite: _Rewrite) -> bool:
+    """Whether every file ``rewrite`` replaces is still live, unchanged, at the table's head (same schema and spec).
+
+    Known from the snapshots' operations when the head descends from the rewrite's base through appends only (a
+    sink's commits): an append adds files and removes none. When the base has been expired from the history (a sink
+    expiring its own snapshots as it commits), the head's manifests are read instead: every replaced file still
+    listed and no delete files anywhere. Anything else (another compaction, a delete) sends the rewrite back to a
+    fresh read."""
+    head = table.current_snapshot()
+    if head is None or table.schema().schema_id != rewrite.schema_id or table.spec().spec_id != rewrite.spec_id:
+        return False
+    for snapshot in ancestors_of(head, table.metadata):
+        if snapshot.snapshot_id == rewrite.base_snapshot_id:
+            return True
+        if snapshot.summary is None or snapshot.summary.operation != Operation.APPEND:
+            return False
+    live: set[str] = set()
+    for manifest in head.manifests(table.io):
+        if manifest.content != ManifestContent.DATA:
+            return False
+        live.update(e.data_file.file_path for e in manifest.fetch_manifest_entry(table.io, discard_deleted=True))
+    return all(f.file_path in live for f in rewrite.removed)
 
 
 def compact_files(
@@ -176,68 +215,90 @@ def compact_files(
 
     Groups with fewer than ``min_input_files`` small files are left alone; a group is read into memory, so
     ``max_group_bytes`` (of Parquet input) bounds it. Files with delete files attached are skipped. The commit
-    deletes exactly the files it read and adds the rewritten ones, based on the head it read; a concurrent
-    commit fails it and it starts over from the new head, so rows are never lost or doubled.
+    deletes exactly the files it read and adds the rewritten ones, with the requirement that the head has not moved.
+
+    A streaming sink commits about once a second per subtask, and reading and writing a day's small files takes
+    longer, so a compaction that started over from a fresh read after every lost race never committed beside a
+    running job (a soak's compaction gave up after 50 attempts). A lost race now keeps the written files and
+    commits them again on the new head when the files it replaces are still live there (``_still_valid``: only
+    appends since its base), and only the commit, not the read and write, races the sink. Anything else
+    since the base starts over from a fresh read. Either way rows are never lost or doubled.
 
     ``sort_by`` (a column) orders each group's rows before they are written. Without it a rewritten file holds its
     inputs' rows in input order, so every row group spans the partition's whole range of that column and a scan
     filtered on it (the sink's key lookup by event time) reads the whole file where the small files were pruned.
     """
     result = CompactResult()
+    prepared: list[_Rewrite] = []  # the last attempt's rewrite, kept for the next attempt when still valid
 
     def attempt() -> None:
         table = load_table()
-        current = table.current_snapshot()
-        result.files_removed = result.files_added = result.rows_rewritten = result.bytes_removed = 0
-        if current is None:
-            return
-        groups: dict[tuple[int, str], list[Any]] = {}
-        for task in table.scan(snapshot_id=current.snapshot_id).plan_files():
-            data_file = task.file
-            if task.delete_files or data_file.file_size_in_bytes >= small_file_bytes:
-                continue
-            groups.setdefault((data_file.spec_id, repr(data_file.partition)), []).append(task)
-        chosen = []
-        for tasks in groups.values():
-            tasks.sort(key=lambda t: t.file.file_size_in_bytes)
-            batch: list[Any] = []
-            size = 0
-            for task in tasks:
-                if batch and size + task.file.file_size_in_bytes > max_group_bytes:
-                    if len(batch) >= min_input_files:
-                        chosen.append(batch)
-                    batch, size = [], 0
-                batch.append(task)
-                size += task.file.file_size_in_bytes
-            if len(batch) >= min_input_files:
-                chosen.append(batch)
-        if not chosen:
-            result.snapshot_id = current.snapshot_id
-            return
+        if not (prepared and _still_valid(table, prepared[0])):
+            prepared[:] = []
+            rewrite = _read_and_write(table, small_file_bytes, min_input_files, max_group_bytes, sort_by)
+            if rewrite is None:
+                current = table.current_snapshot()
+                result.snapshot_id = current.snapshot_id if current else None
+                return
+            result.rewrites += 1
+            prepared.append(rewrite)
+        rewrite = prepared[0]
         tx = table.transaction()
-        counter = itertools.count(0)  # one numbering for all groups: file names must not repeat within a commit
-        with tx.update_snapshot(snapshot_properties={"beamflow.maintenance": "compact"}).overwrite() as rewrite:
-            for group in chosen:
-                rows = ArrowScan(tx.table_metadata, table.io, table.schema(), AlwaysTrue()).to_table(group)
-                if sort_by is not None:
-                    rows = rows.sort_by(sort_by)
-                for task in group:
-                    rewrite.delete_data_file(task.file)
-                    result.files_removed += 1
-                    result.bytes_removed += task.file.file_size_in_bytes
-                for new_file in _dataframe_to_data_files(
-                    table_metadata=tx.table_metadata,
-                    df=rows,
-                    io=table.io,
-                    write_uuid=rewrite.commit_uuid,
-                    counter=counter,
-                ):
-                    rewrite.append_data_file(new_file)
-                    result.files_added += 1
-                result.rows_rewritten += rows.num_rows
+        with tx.update_snapshot(snapshot_properties={"beamflow.maintenance": "compact"}).overwrite() as overwrite:
+            for data_file in rewrite.removed:
+                overwrite.delete_data_file(data_file)
+            for data_file in rewrite.added:
+                overwrite.append_data_file(data_file)
         committed = tx.commit_transaction()
         snap = committed.current_snapshot()
         result.snapshot_id = snap.snapshot_id if snap else None
+        result.files_removed, result.files_added = len(rewrite.removed), len(rewrite.added)
+        result.rows_rewritten = rewrite.rows
+        result.bytes_removed = sum(f.file_size_in_bytes for f in rewrite.removed)
 
     _, result.attempts = _retrying("compact files", attempt, max_attempts)
     return result
+
+
+def _read_and_write(
+    table: Table, small_file_bytes: int, min_input_files: int, max_group_bytes: int, sort_by: str | None
+) -> _Rewrite | None:
+    """Reads the head's groups of small files and writes each group's rows as new files (not yet committed)."""
+    current = table.current_snapshot()
+    if current is None:
+        return None
+    groups: dict[tuple[int, str], list[Any]] = {}
+    for task in table.scan(snapshot_id=current.snapshot_id).plan_files():
+        data_file = task.file
+        if task.delete_files or data_file.file_size_in_bytes >= small_file_bytes:
+            continue
+        groups.setdefault((data_file.spec_id, repr(data_file.partition)), []).append(task)
+    chosen = []
+    for tasks in groups.values():
+        tasks.sort(key=lambda t: t.file.file_size_in_bytes)
+        batch: list[Any] = []
+        size = 0
+        for task in tasks:
+            if batch and size + task.file.file_size_in_bytes > max_group_bytes:
+                if len(batch) >= min_input_files:
+                    chosen.append(batch)
+                batch, size = [], 0
+            batch.append(task)
+            size += task.file.file_size_in_bytes
+        if len(batch) >= min_input_files:
+            chosen.append(batch)
+    if not chosen:
+        return None
+    rewrite = _Rewrite(current.snapshot_id, table.schema().schema_id, table.spec().spec_id)
+    write_uuid = uuid.uuid4()
+    counter = itertools.count(0)  # one numbering for all groups: file names must not repeat within a rewrite
+    for group in chosen:
+        rows = ArrowScan(table.metadata, table.io, table.schema(), AlwaysTrue()).to_table(group)
+        if sort_by is not None:
+            rows = rows.sort_by(sort_by)
+        rewrite.removed += [task.file for task in group]
+        rewrite.added += _dataframe_to_data_files(
+            table_metadata=table.metadata, df=rows, io=table.io, write_uuid=write_uuid, counter=counter
+        )
+        rewrite.rows += rows.num_rows
+    return rewrite

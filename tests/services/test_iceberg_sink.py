@@ -234,6 +234,80 @@ def test_compaction_while_the_sink_commits(catalog_config: CatalogConfig) -> Non
     assert report.data_files == days  # after the last compaction: one file per day partition, not one per commit
 
 
+def one_day(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``rows`` a minute apart in one day, so each commit writes one file and compaction has one partition."""
+    for i, row in enumerate(rows):
+        row["event_time"] = dt.datetime(2024, 5, 1) + dt.timedelta(minutes=i)
+    return rows
+
+
+def _stale_first_load(sink: IcebergCommitter, meanwhile: Any) -> Any:
+    """A table loader whose first table is stale: ``meanwhile`` commits after it was loaded, as a running sink
+    commits while a compaction reads and writes; the compaction's first commit then loses the race."""
+    calls = []
+
+    def load() -> Any:
+        table = sink.load()
+        if not calls:
+            meanwhile()
+        calls.append(table)
+        return table
+
+    return load
+
+
+def test_compaction_that_lost_to_appends_commits_its_rewrite_without_rereading(sqlite_config: CatalogConfig) -> None:
+    """A soak's compaction never committed beside the streaming job: every lost race sent it back to reading and
+    writing the day's files, longer than the sinks' second between commits. Appends since its base leave the files
+    it replaces live, so the second attempt commits the same rewrite (one read, two attempts)."""
+    rows = one_day(events(150))
+    sink = committer(sqlite_config)
+    for b in batches(rows[:120], 30):
+        sink.commit(b)
+    result = compact_files(_stale_first_load(sink, lambda: sink.commit(rows[120:])), small_file_bytes=1 << 30)
+    assert (result.attempts, result.rewrites, result.files_removed, result.rows_rewritten) == (2, 1, 4, 120)
+    report = audit(sqlite_config)
+    assert_each_once(report, 150)
+    assert report.data_files == 2  # the rewrite's file and the racing append's
+
+
+def test_compaction_that_lost_to_an_expired_base_checks_the_head_files(sqlite_config: CatalogConfig) -> None:
+    """A sink expiring its own snapshots can drop the rewrite's base from the history; the head's manifests then
+    show that every replaced file is still live, and the rewrite is committed as it is."""
+    rows = one_day(events(150))
+    sink = committer(sqlite_config)
+    for b in batches(rows[:120], 30):
+        sink.commit(b)
+
+    def append_and_expire() -> None:
+        sink.commit(rows[120:])
+        expire_snapshots(sink.load, keep_last=1)
+
+    result = compact_files(_stale_first_load(sink, append_and_expire), small_file_bytes=1 << 30)
+    assert (result.attempts, result.rewrites, result.rows_rewritten) == (2, 1, 120)
+    assert_each_once(audit(sqlite_config), 150)
+
+
+def test_compaction_that_lost_to_another_rewrite_reads_again(sqlite_config: CatalogConfig) -> None:
+    """Another compaction since the base removed the files this rewrite replaces: committing it would bring their
+    rows back twice, so the second attempt reads the head again."""
+    rows = one_day(events(180))
+    sink = committer(sqlite_config)
+    for b in batches(rows[:120], 30):
+        sink.commit(b)
+
+    def compact_then_append() -> None:
+        compact_files(sink.load, small_file_bytes=1 << 30)
+        sink.commit(rows[120:150])
+        sink.commit(rows[150:])
+
+    result = compact_files(_stale_first_load(sink, compact_then_append), small_file_bytes=1 << 30)
+    assert (result.attempts, result.rewrites, result.files_removed, result.rows_rewritten) == (2, 2, 3, 180)
+    report = audit(sqlite_config)
+    assert_each_once(report, 180)
+    assert report.data_files == 1
+
+
 def test_compaction_sorted_by_a_column_writes_its_rows_in_order(tmp_path: Path) -> None:
     """A stream's files each hold a short stretch of event time; a rewrite keeps its inputs' order, so one compacted
     file spans the whole day in every row group unless ``sort_by`` orders it (the sink's key lookup filters by event
