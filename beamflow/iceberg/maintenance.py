@@ -78,7 +78,7 @@ def _retrying(what: str, attempt_fn: Callable[[], Any], max_attempts: int) -> tu
         try:
             return attempt_fn(), attempt
         except (CommitFailedException, sqlalchemy.exc.OperationalError) as exc:
-            log.info("%s attempt %d lost a race (%s); starting over", what, attempt, exc)
+            log.info("%s attempt %d lost a race (%s); trying again", what, attempt, exc)
             time.sleep(min(2.0, 0.05 * attempt) * (0.5 + random.random()))
     raise CommitFailedException(f"{what}: gave up after {max_attempts} attempts")
 

@@ -256,3 +256,21 @@ def test_sidecar_command_listens_on_loopback() -> None:
         if process.stdout is not None:
             with contextlib.suppress(Exception):
                 process.stdout.close()
+
+
+def test_maintenance_cronjob_compacts_the_job_configs_table_sorted_by_its_key_time() -> None:
+    """The CronJob's command is one ``beamflow`` accepts, on the table and catalog of ``clicks-prod.yaml``, sorted by
+    the column the sink's key lookups filter on (so they stay pruned after the rewrite)."""
+    from beamflow.cli import build_parser
+
+    (cronjob,) = _documents(DEPLOYING / "iceberg-maintenance.yaml")
+    assert cronjob["kind"] == "CronJob" and cronjob["spec"]["concurrencyPolicy"] == "Forbid"
+    (container,) = cronjob["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"]
+    command = container["command"]
+    assert command[:3] == ["python", "-m", "beamflow"]
+    args = build_parser().parse_args(command[3:])
+    iceberg = load_config(DEPLOYING / "clicks-prod.yaml")["iceberg"]
+    assert (args.iceberg_action, args.table) == ("compact", iceberg["table"])
+    assert (args.warehouse, args.catalog_uri) == (iceberg["catalog"]["warehouse"], iceberg["catalog"]["uri"])
+    assert args.sort_by == "event_time" and 'key_time_column="event_time"' in (ROOT / "pipelines/clicks.py").read_text()
+    assert {e["name"] for e in container["env"]} == {"PGPASSWORD"}
