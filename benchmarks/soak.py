@@ -160,9 +160,12 @@ class CompactionSchedule(threading.Thread):
     """``compact_files`` on the soak's Iceberg table every ``every_s`` seconds, beside the running job, as a user's
     scheduled ``beamflow iceberg compact`` would; each run's result is kept for the report."""
 
-    def __init__(self, config: dict[str, Any], every_s: float, sort_by: str | None, t0: float) -> None:
+    def __init__(
+        self, config: dict[str, Any], every_s: float, sort_by: str | None, row_group_rows: int | None, t0: float
+    ) -> None:
         super().__init__(name="soak-compaction", daemon=True)
-        self.config, self.every_s, self.sort_by, self.t0 = config, every_s, sort_by, t0
+        self.config, self.every_s, self.t0 = config, every_s, t0
+        self.sort_by, self.row_group_rows = sort_by, row_group_rows
         self.runs: list[dict[str, Any]] = []
         self.error: BaseException | None = None
         self._stop_event = threading.Event()
@@ -176,7 +179,11 @@ class CompactionSchedule(threading.Thread):
         while not self._stop_event.wait(self.every_s):
             started = time.monotonic()
             try:
-                result = compact_files(lambda: catalog.load_table(iceberg["table"]), sort_by=self.sort_by)
+                result = compact_files(
+                    lambda: catalog.load_table(iceberg["table"]),
+                    sort_by=self.sort_by,
+                    row_group_rows=self.row_group_rows,
+                )
             except BaseException as exc:  # reported at the end; the soak's job goes on without maintenance
                 self.error = exc
                 return
@@ -197,7 +204,8 @@ class CompactionSchedule(threading.Thread):
         runs = self.runs
         longest = max((r["seconds"] for r in runs), default=0)
         line = (
-            f"compactions every {self.every_s / 60:g} min (sorted by {self.sort_by or 'nothing'}): {len(runs)}, "
+            f"compactions every {self.every_s / 60:g} min (sorted by {self.sort_by or 'nothing'}, row groups of "
+            f"{self.row_group_rows or 'the table default'} rows): {len(runs)}, "
             f"{sum(r['files_removed'] for r in runs):,} files rewritten into {sum(r['files_added'] for r in runs):,}, "
             f"{sum(r['seconds'] for r in runs):.0f} s in all, longest {longest:g} s, "
             f"attempts {sum(r['attempts'] for r in runs)}"
@@ -388,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         help="compact the Iceberg table this often beside the job (0: never, the table's files pile up)",
     )
     parser.add_argument("--compact-sort-by", help="the compaction's --sort-by column (e.g. event_time)")
+    parser.add_argument("--compact-row-group-rows", type=int, help="the compaction's --row-group-rows")
     parser.add_argument(
         "--probe",
         action="store_true",
@@ -427,7 +436,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     compaction = None
     if args.compact_every_min:
-        compaction = CompactionSchedule(config, args.compact_every_min * 60, args.compact_sort_by, t0)
+        compaction = CompactionSchedule(
+            config, args.compact_every_min * 60, args.compact_sort_by, args.compact_row_group_rows, t0
+        )
         compaction.start()
     samples: list[dict[str, Any]] = []
     savepoints: list[tuple[int, float]] = []  # (t_s, MB): at --from-minute and at the end

@@ -29,7 +29,7 @@ from pyiceberg.exceptions import CommitFailedException
 from pyiceberg.expressions import AlwaysTrue
 from pyiceberg.io.pyarrow import ArrowScan, _dataframe_to_data_files
 from pyiceberg.manifest import ManifestContent
-from pyiceberg.table import Table
+from pyiceberg.table import Table, TableProperties
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.snapshots import Operation, ancestors_of
 from pyiceberg.table.update import (
@@ -209,6 +209,7 @@ def compact_files(
     max_group_bytes: int = 512 * 1024 * 1024,
     max_attempts: int = 50,
     sort_by: str | None = None,
+    row_group_rows: int | None = None,
 ) -> CompactResult:
     """Rewrites data files smaller than ``small_file_bytes`` into larger ones, per partition, in one overwrite
     commit.
@@ -227,7 +228,12 @@ def compact_files(
     ``sort_by`` (a column) orders each group's rows before they are written. Without it a rewritten file holds its
     inputs' rows in input order, so every row group spans the partition's whole range of that column and a scan
     filtered on it (the sink's key lookup by event time) reads the whole file where the small files were pruned.
+    ``row_group_rows`` bounds the rewritten files' row groups (default: the table's
+    ``write.parquet.row-group-limit``, pyiceberg's 1,048,576 rows): a scan reads whole row groups, so sorted rows
+    prune only as finely as their groups. The sink's own commits are far smaller than either.
     """
+    if row_group_rows is not None and row_group_rows < 1:
+        raise ValueError("row_group_rows must be at least 1")
     result = CompactResult()
     prepared: list[_Rewrite] = []  # the last attempt's rewrite, kept for the next attempt when still valid
 
@@ -235,7 +241,9 @@ def compact_files(
         table = load_table()
         if not (prepared and _still_valid(table, prepared[0])):
             prepared[:] = []
-            rewrite = _read_and_write(table, small_file_bytes, min_input_files, max_group_bytes, sort_by)
+            rewrite = _read_and_write(
+                table, small_file_bytes, min_input_files, max_group_bytes, sort_by, row_group_rows
+            )
             if rewrite is None:
                 current = table.current_snapshot()
                 result.snapshot_id = current.snapshot_id if current else None
@@ -261,7 +269,12 @@ def compact_files(
 
 
 def _read_and_write(
-    table: Table, small_file_bytes: int, min_input_files: int, max_group_bytes: int, sort_by: str | None
+    table: Table,
+    small_file_bytes: int,
+    min_input_files: int,
+    max_group_bytes: int,
+    sort_by: str | None,
+    row_group_rows: int | None,
 ) -> _Rewrite | None:
     """Reads the head's groups of small files and writes each group's rows as new files (not yet committed)."""
     current = table.current_snapshot()
@@ -290,6 +303,10 @@ def _read_and_write(
     if not chosen:
         return None
     rewrite = _Rewrite(current.snapshot_id, table.schema().schema_id, table.spec().spec_id)
+    metadata = table.metadata  # what pyiceberg's writer reads its settings from, the row group limit among them
+    if row_group_rows is not None:
+        limit = {TableProperties.PARQUET_ROW_GROUP_LIMIT: str(row_group_rows)}
+        metadata = metadata.model_copy(update={"properties": {**metadata.properties, **limit}})
     write_uuid = uuid.uuid4()
     counter = itertools.count(0)  # one numbering for all groups: file names must not repeat within a rewrite
     for group in chosen:
@@ -298,7 +315,7 @@ def _read_and_write(
             rows = rows.sort_by(sort_by)
         rewrite.removed += [task.file for task in group]
         rewrite.added += _dataframe_to_data_files(
-            table_metadata=table.metadata, df=rows, io=table.io, write_uuid=write_uuid, counter=counter
+            table_metadata=metadata, df=rows, io=table.io, write_uuid=write_uuid, counter=counter
         )
         rewrite.rows += rows.num_rows
     return rewrite

@@ -9,6 +9,7 @@ event once, no data file referenced twice.
 from __future__ import annotations
 
 import datetime as dt
+import itertools
 import json
 import os
 import signal
@@ -22,6 +23,7 @@ from typing import Any
 
 import apache_beam as beam
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from apache_beam.testing.util import assert_that, equal_to
 
@@ -308,7 +310,7 @@ def test_compaction_that_lost_to_another_rewrite_reads_again(sqlite_config: Cata
     assert report.data_files == 1
 
 
-def test_compaction_sorted_by_a_column_writes_its_rows_in_order(tmp_path: Path) -> None:
+def test_compaction_sorted_by_a_column_writes_its_rows_in_order_in_small_row_groups(tmp_path: Path) -> None:
     """A stream's files each hold a short stretch of event time; a rewrite keeps its inputs' order, so one compacted
     file spans the whole day in every row group unless ``sort_by`` orders it (the sink's key lookup filters by event
     time and prunes by those ranges). Rows arrive newest first here, so the unsorted rewrite is out of order."""
@@ -322,12 +324,20 @@ def test_compaction_sorted_by_a_column_writes_its_rows_in_order(tmp_path: Path) 
         sink = committer(config)
         for b in batches(rows, 30):
             sink.commit(b)
-        result = compact_files(sink.load, small_file_bytes=1 << 30, sort_by=sort_by)
+        result = compact_files(sink.load, small_file_bytes=1 << 30, sort_by=sort_by, row_group_rows=25)
         assert (result.files_removed, result.files_added, result.rows_rewritten) == (4, 1, 120)
         times = sink.load().scan(selected_fields=("event_time",)).to_arrow()["event_time"].to_pylist()
         in_order[sort_by] = times == sorted(times)
         assert_each_once(audit(config), 120)
     assert in_order == {None: False, "event_time": True}
+    # The sorted file's row groups (25 rows each) hold disjoint stretches of event time: a scan of one stretch
+    # reads one group, where pyiceberg's default (a million rows a group) would read the whole file.
+    (task,) = sink.load().scan().plan_files()
+    parquet = pq.ParquetFile(task.file.file_path.removeprefix("file://"))
+    column = parquet.schema_arrow.get_field_index("event_time")
+    stats = [parquet.metadata.row_group(g).column(column).statistics for g in range(parquet.num_row_groups)]
+    assert [parquet.metadata.row_group(g).num_rows for g in range(parquet.num_row_groups)] == [25, 25, 25, 25, 20]
+    assert all(a.max < b.min for a, b in itertools.pairwise(stats))
 
 
 def test_rows_without_coordinates_deduplicated_by_key(sqlite_config: CatalogConfig) -> None:
