@@ -390,8 +390,9 @@ def iceberg_commit_per_bundle(job: Job) -> Finding | None:
         f"Iceberg commits once per bundle (up to every {bundle_ms / 1000:g}s per subtask while data flows)",
         "WriteToIceberg commits in finish_bundle so the group's offsets never run ahead of the table; "
         "short bundles keep barriers fast but make small files and many snapshots (iceberg#2404)",
-        "schedule `beamflow iceberg compact --sort-by event_time` (sorted, the sink's key lookups by event time "
-        "stay pruned) and `beamflow iceberg expire` (or the sink's expire_keep_last)",
+        "schedule `beamflow iceberg compact --sort-by event_time --row-group-rows 100000` (sorted in small row "
+        "groups, the sink's key lookups by event time stay pruned; docs/deploying/iceberg-maintenance.yaml) and "
+        "`beamflow iceberg expire` (or the sink's expire_keep_last)",
     )
 
 

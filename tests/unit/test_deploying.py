@@ -273,4 +273,5 @@ def test_maintenance_cronjob_compacts_the_job_configs_table_sorted_by_its_key_ti
     assert (args.iceberg_action, args.table) == ("compact", iceberg["table"])
     assert (args.warehouse, args.catalog_uri) == (iceberg["catalog"]["warehouse"], iceberg["catalog"]["uri"])
     assert args.sort_by == "event_time" and 'key_time_column="event_time"' in (ROOT / "pipelines/clicks.py").read_text()
+    assert args.row_group_rows == 100_000
     assert {e["name"] for e in container["env"]} == {"PGPASSWORD"}
