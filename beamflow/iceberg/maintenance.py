@@ -2,7 +2,8 @@
 
 Both are optimistic like the sink: each attempt loads the table, prepares its change against the current head
 and commits with the requirement that the head has not moved (``AssertRefSnapshotId``); if the sink (or
-anyone) committed in between, the catalog rejects it and the attempt starts over. Neither adds or removes
+anyone) committed in between, the catalog rejects it and the attempt starts over (a compaction keeps the files it
+wrote while the ones they replace are still live, ``compact_files``). Neither adds or removes
 rows, so a race can delay them but never lose or double data, and the sink's marks survive because they also
 live in a table property.
 
