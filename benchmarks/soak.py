@@ -24,10 +24,11 @@ s a minute per worker) while memory and checkpoints looked fine: the Iceberg com
 minutes, each scan reading more files as the run went on (``docs/streaming.md``, "Late events sent the known keys
 back to a scan").
 
-``--compact-every-min M`` runs the table maintenance a user schedules beside the job (``beamflow iceberg compact``,
-``--compact-sort-by`` its ``--sort-by``) every M minutes from the soak's own process, and reports each run: files
-rewritten, seconds, attempts lost to the sink's commits. Without it the table's file count grows all day, and so
-does what each of the sink's key lookups plans over.
+``--compact-every-min M`` runs the table maintenance a user schedules beside the job (``beamflow iceberg compact``;
+``--compact-sort-by`` and ``--compact-row-group-rows`` are its ``--sort-by`` and ``--row-group-rows``) every M
+minutes from the soak's own process, and reports each run: files rewritten, seconds, attempts lost to the sink's
+commits. Without it the table's file count grows all day, and so does what each of the sink's key lookups plans
+over.
 """
 
 from __future__ import annotations

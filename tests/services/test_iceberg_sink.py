@@ -236,10 +236,11 @@ def test_compaction_while_the_sink_commits(catalog_config: CatalogConfig) -> Non
     assert report.data_files == days  # after the last compaction: one file per day partition, not one per commit
 
 
-def one_day(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``rows`` a minute apart in one day, so each commit writes one file and compaction has one partition."""
+def one_day(rows: list[dict[str, Any]], newest_first: bool = False) -> list[dict[str, Any]]:
+    """``rows`` a minute apart in one day, so each commit writes one file and compaction has one partition; their
+    offsets ascend either way (the sink's marks need that)."""
     for i, row in enumerate(rows):
-        row["event_time"] = dt.datetime(2024, 5, 1) + dt.timedelta(minutes=i)
+        row["event_time"] = dt.datetime(2024, 5, 1) + dt.timedelta(minutes=len(rows) - 1 - i if newest_first else i)
     return rows
 
 
@@ -314,10 +315,7 @@ def test_compaction_sorted_by_a_column_writes_its_rows_in_order_in_small_row_gro
     """A stream's files each hold a short stretch of event time; a rewrite keeps its inputs' order, so one compacted
     file spans the whole day in every row group unless ``sort_by`` orders it (the sink's key lookup filters by event
     time and prunes by those ranges). Rows arrive newest first here, so the unsorted rewrite is out of order."""
-    rows = events(120)
-    base = dt.datetime(2024, 5, 1, 12)
-    for i, row in enumerate(rows):  # offsets ascend (the sink's marks need that), event times descend, one day
-        row["event_time"] = base - dt.timedelta(minutes=i)
+    rows = one_day(events(120), newest_first=True)
     in_order = {}
     for sort_by in (None, "event_time"):
         config = CatalogConfig.local(tmp_path / str(sort_by))
